@@ -1,0 +1,38 @@
+# rlcli developer entry points. `make train` and `make test` work on a fresh machine: they create the
+# virtualenv and install the pinned stack first (torch 2.13.0 CPU build; see pyproject.toml).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+ARGS ?=
+
+.PHONY: install train sft test test-fast lint bench ladder-dapo clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+train: install  ## the main job on the embedded default (tiny model, arith task, GRPO)
+	$(VENV)/bin/rlcli train $(ARGS)
+
+sft: install
+	$(VENV)/bin/rlcli sft $(ARGS)
+
+test: install  ## the whole suite, CPU, offline
+	$(VENV)/bin/python -m pytest -q $(ARGS)
+
+test-fast: install  ## skip the end-to-end runs
+	$(VENV)/bin/python -m pytest -q -m "not slow" $(ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check rlcli tests
+
+bench: install  ## speed and memory numbers, printed
+	$(VENV)/bin/python -m rlcli.bench $(ARGS)
+
+clean:
+	rm -rf $(VENV) runs outputs .pytest_cache

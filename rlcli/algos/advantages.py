@@ -1,0 +1,205 @@
+"""Advantage estimators (DESIGN.md §5.2): registry `ADVANTAGES`, one signature for all.
+
+    fn(inp: AdvantageInputs, cfg: AlgoConfig) -> (advantages [N, T], returns [N, T])
+
+`returns` are the critic's targets for estimators that need values (NEEDS_VALUES) and equal the
+advantages otherwise. Both are 0 at masked positions. The trainer calls `compute_advantages`,
+which looks the estimator up, runs it without gradients and applies the sequence-reweight option.
+
+Outcome-level estimators (grpo, dr_grpo, rloo, rank, weighted_baseline, hierarchical) compute one
+number a_i per trajectory and put it where the outcome reward sat, on the last valid token; the
+token advantage is then the reward-to-go of those token rewards. Without KL in the reward and with
+γ = 1 this is exactly a_i broadcast over the response tokens (× mask); with KL in the reward
+(rloo and ppo presets) each token also carries the discounted sum of the -β·KL_t that follow it,
+as in OpenRLHF's RLOO. The outcome-level a_i itself never sees the KL.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from rlcli.algos import functional as F
+from rlcli.algos.config import AlgoConfig
+from rlcli.registry import Registry
+
+
+@dataclass
+class AdvantageInputs:
+    scores: Tensor
+    """[N] shaped outcome reward per trajectory (task reward + soft overlong punishment)."""
+    token_rewards: Tensor
+    """[N, T] `scores` on the last valid token, minus β·KL_t on every token when KL is in the reward."""
+    mask: Tensor
+    """[N, T] loss mask (response mask minus overlong-filtered rows), bool or 0/1 float."""
+    group_index: Tensor
+    """[N] int, equal for responses to the same prompt."""
+    lengths: Tensor
+    """[N] response lengths in tokens (of the response itself, even if its mask row was filtered)."""
+    values: Tensor | None = None
+    """[N, T] critic values at sampling time; None without a critic."""
+    step: int = 0
+    """Current training step (schedules such as the VAPO-GRPO hybrid α(t))."""
+    total_steps: int = 1
+    """Planned training steps."""
+
+
+ADVANTAGES = Registry("advantage estimator")
+NEEDS_VALUES = frozenset({"gae", "vapo_grpo_hybrid"})
+"""Estimators that read `values`: the trainer builds a critic exactly when the estimator is here."""
+
+
+def compute_advantages(inp: AdvantageInputs, cfg: AlgoConfig) -> tuple[Tensor, Tensor]:
+    """Run `ADVANTAGES[cfg.adv_estimator]` without gradients, then the optional sequence reweight.
+
+    Shapes: -> (advantages [N, T], returns [N, T]). With `cfg.seq_reweight_alpha` set, each row of
+    the advantages is scaled by w_i = (l_i/L_median)^(-α): for the clipped surrogate, scaling A by
+    w > 0 scales the token loss by w, so this is seed 001's sequence-level loss reweighting, done
+    once over the whole batch (a per-micro-batch median would depend on memory settings).
+    """
+    estimator = ADVANTAGES[cfg.adv_estimator]
+    with torch.no_grad():
+        adv, returns = estimator(inp, cfg)
+        if cfg.seq_reweight_alpha is not None:
+            adv = adv * F.sequence_reweight(inp.lengths, cfg.seq_reweight_alpha)[:, None]  # [N, T]
+    return adv, returns
+
+
+# ---------------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------------
+
+
+def _last_valid(mask: Tensor) -> Tensor:
+    """[N, T] bool, True at each row's last valid token (all False for an empty row)."""
+    m = F._valid(mask)
+    t_len = m.shape[1]
+    if t_len == 0:
+        return m.clone()
+    last = t_len - 1 - torch.flip(m.to(torch.int8), dims=[1]).argmax(dim=1)  # [N]
+    onehot = torch.zeros_like(m).scatter_(1, last[:, None], True)
+    return onehot & m.any(dim=1, keepdim=True)
+
+
+def _outcome_to_tokens(inp: AdvantageInputs, outcome_adv: Tensor, gamma: float) -> Tensor:
+    """Swap the outcome reward on the last token for the outcome advantage; reward-to-go. [N, T]."""
+    last = _last_valid(inp.mask)
+    swapped = inp.token_rewards - inp.scores[:, None] + outcome_adv[:, None]  # [N, T], used at `last`
+    rewards = torch.where(last, swapped, inp.token_rewards)
+    return F.discounted_returns(rewards, inp.mask, gamma)
+
+
+def _require_values(inp: AdvantageInputs, name: str) -> Tensor:
+    if inp.values is None:
+        raise ValueError(
+            f"algo.adv_estimator={name} needs critic values (AdvantageInputs.values is None): "
+            "the trainer must build a critic for the estimators in NEEDS_VALUES"
+        )
+    return inp.values
+
+
+def _whiten(x: Tensor, mask: Tensor, cfg: AlgoConfig) -> Tensor:
+    return F.masked_whiten(x, mask) if cfg.whiten_advantages else x
+
+
+def _same(x: Tensor) -> tuple[Tensor, Tensor]:
+    return x, x
+
+
+# ---------------------------------------------------------------------------------------------------
+# estimators
+# ---------------------------------------------------------------------------------------------------
+
+
+@ADVANTAGES.register("grpo")
+def grpo(inp: AdvantageInputs, cfg: AlgoConfig) -> tuple[Tensor, Tensor]:
+    """GRPO (arXiv:2402.03300): (R - mean_g)/(std_g + 1e-6) per group, on every response token."""
+    a = F.group_advantages(inp.scores, inp.group_index, std_normalize=True)
+    return _same(_outcome_to_tokens(inp, a, cfg.gamma))
+
+
+@ADVANTAGES.register("dr_grpo")
+def dr_grpo(inp: AdvantageInputs, cfg: AlgoConfig) -> tuple[Tensor, Tensor]:
+    """Dr.GRPO (arXiv:2503.20783): R - mean_g, no std division."""
+    a = F.group_advantages(inp.scores, inp.group_index, std_normalize=False)
+    return _same(_outcome_to_tokens(inp, a, cfg.gamma))
+
+
+@ADVANTAGES.register("rloo")
+def rloo(inp: AdvantageInputs, cfg: AlgoConfig) -> tuple[Tensor, Tensor]:
+    """RLOO (arXiv:2402.14740): R_i minus the mean of the other G-1 responses."""
+    a = F.rloo_advantages(inp.scores, inp.group_index)
+    return _same(_outcome_to_tokens(inp, a, cfg.gamma))
+
+
+@ADVANTAGES.register("reinforce_pp")
+def reinforce_pp(inp: AdvantageInputs, cfg: AlgoConfig) -> tuple[Tensor, Tensor]:
+    """REINFORCE++ (arXiv:2501.03262): reward-to-go of the token rewards, whitened over the batch."""
+    returns = F.discounted_returns(inp.token_rewards, inp.mask, cfg.gamma)
+    return _same(_whiten(returns, inp.mask, cfg))
+
+
+@ADVANTAGES.register("reinforce_pp_baseline")
+def reinforce_pp_baseline(inp: AdvantageInputs, cfg: AlgoConfig) -> tuple[Tensor, Tensor]:
+    """REINFORCE++-baseline (arXiv:2501.03262): whiten(R_i - mean_g) over the batch (plus KL-to-go)."""
+    a = F.group_advantages(inp.scores, inp.group_index, std_normalize=False)
+    return _same(_whiten(_outcome_to_tokens(inp, a, cfg.gamma), inp.mask, cfg))
+
+
+def _gae_parts(inp: AdvantageInputs, cfg: AlgoConfig, name: str) -> tuple[Tensor, Tensor]:
+    """(actor advantages, critic returns), VAPO-decoupled: returns use λ_critic, advantages λ_actor."""
+    values = _require_values(inp, name)
+    lam_actor: float | Tensor = cfg.lam_actor
+    if cfg.length_adaptive_alpha is not None:
+        lam_actor = F.length_adaptive_lambda(inp.lengths, cfg.length_adaptive_alpha)  # [N]
+    adv, returns = F.gae(inp.token_rewards, values, inp.mask, cfg.gamma, cfg.lam_critic)
+    if cfg.length_adaptive_alpha is not None or cfg.lam_actor != cfg.lam_critic:
+        adv, _ = F.gae(inp.token_rewards, values, inp.mask, cfg.gamma, lam_actor)
+    return _whiten(adv, inp.mask, cfg), returns  # returns are taken before whitening
+
+
+@ADVANTAGES.register("gae")
+def gae(inp: AdvantageInputs, cfg: AlgoConfig) -> tuple[Tensor, Tensor]:
+    """PPO's GAE (arXiv:1506.02438) with VAPO's decoupled and length-adaptive λ (arXiv:2504.05118)."""
+    return _gae_parts(inp, cfg, "gae")
+
+
+@ADVANTAGES.register("rank")
+def rank(inp: AdvantageInputs, cfg: AlgoConfig) -> tuple[Tensor, Tensor]:
+    """Seed 001 option: (rank_i - (G+1)/2)/(G/2) within the group, ties averaged."""
+    a = F.rank_advantages(inp.scores, inp.group_index)
+    return _same(_outcome_to_tokens(inp, a, cfg.gamma))
+
+
+@ADVANTAGES.register("weighted_baseline")
+def weighted_baseline(inp: AdvantageInputs, cfg: AlgoConfig) -> tuple[Tensor, Tensor]:
+    """Seed 001 option: R_i - Σ w_j R_j / Σ w_j, w_j = 1/sqrt(|y_j|) (cfg.baseline_weights)."""
+    lengths = inp.lengths.to(F._float(inp.scores).dtype)  # [N]
+    if cfg.baseline_weights == "inv_sqrt_len":
+        weights = lengths.clamp_min(1.0).rsqrt()
+    elif cfg.baseline_weights == "uniform":
+        weights = torch.ones_like(lengths)
+    else:
+        raise ValueError(
+            f"algo.baseline_weights={cfg.baseline_weights!r}; valid names: inv_sqrt_len, uniform"
+        )
+    a = F.weighted_baseline_advantages(inp.scores, inp.group_index, weights)
+    return _same(_outcome_to_tokens(inp, a, cfg.gamma))
+
+
+@ADVANTAGES.register("hierarchical")
+def hierarchical(inp: AdvantageInputs, cfg: AlgoConfig) -> tuple[Tensor, Tensor]:
+    """Seed 001 option: α·A_group + (1-α)·A_batch, α = cfg.hierarchical_alpha."""
+    a = F.hierarchical_advantages(inp.scores, inp.group_index, cfg.hierarchical_alpha)
+    return _same(_outcome_to_tokens(inp, a, cfg.gamma))
+
+
+@ADVANTAGES.register("vapo_grpo_hybrid")
+def vapo_grpo_hybrid(inp: AdvantageInputs, cfg: AlgoConfig) -> tuple[Tensor, Tensor]:
+    """Seed 001 option: α(t)·A_gae + (1-α(t))·A_grpo, α(t) = α_0·exp(-κ t/T); returns from GAE."""
+    adv_gae, returns = _gae_parts(inp, cfg, "vapo_grpo_hybrid")
+    adv_grpo, _ = grpo(inp, cfg)
+    alpha = F.hybrid_alpha(inp.step, inp.total_steps, cfg.hybrid_alpha0, cfg.hybrid_kappa)
+    return alpha * adv_gae + (1.0 - alpha) * adv_grpo, returns

@@ -1,0 +1,172 @@
+"""`algo` config group schema: every knob of the math, with its default and its paper.
+
+Defaults here are plain PPO/GRPO defaults; the presets in conf/algo/*.yaml set the paper values.
+`validate` is called by the config loader at compose time (rlcli.config.validate).
+
+Papers cited by arXiv id: PPO 1707.06347, GAE 1506.02438, GRPO (DeepSeekMath) 2402.03300,
+DAPO 2503.14476, Dr.GRPO 2503.20783, VAPO 2504.05118, RLOO 2402.14740, REINFORCE++ 2501.03262,
+adaptive KL (Ziegler et al.) 1909.08593, dual clip (Ye et al.) 1912.09729. "Seed 001" options are
+the extra variants of shared/seeds/001 (DESIGN.md §9): off by default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class AlgoConfig:
+    name: str = "grpo"
+    """Preset name, for logs and run names (set by conf/algo/<name>.yaml)."""
+
+    # --- advantage estimation (DESIGN.md §5.2) -------------------------------------------------
+    adv_estimator: str = "grpo"
+    """ADVANTAGES registry name: grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline | gae |
+    rank | weighted_baseline | hierarchical | vapo_grpo_hybrid."""
+    gamma: float = 1.0
+    """Discount γ over response tokens (GAE and token-level returns; 1.0 for outcome rewards)."""
+    lam_actor: float = 0.95
+    """GAE λ for the actor's advantages (VAPO decoupled GAE: 0.95); plain PPO sets both λ equal."""
+    lam_critic: float = 0.95
+    """GAE λ for the critic's return targets (VAPO decoupled GAE: 1.0, i.e. Monte-Carlo returns)."""
+    length_adaptive_alpha: float | None = None
+    """VAPO length-adaptive GAE: λ_actor,i = 1 - 1/(α·l_i) per sequence (paper α = 0.05); null = off."""
+    whiten_advantages: bool = True
+    """Whiten advantages over the batch's valid tokens (gae, vapo_grpo_hybrid's GAE part, reinforce_pp,
+    reinforce_pp_baseline); group estimators normalise per group and ignore it."""
+
+    # --- policy loss and aggregation (DESIGN.md §5.3) ------------------------------------------
+    policy_loss: str = "clipped"
+    """POLICY_LOSSES registry name."""
+    clip_low: float = 0.2
+    """ε_low: the ratio is clipped below at 1 - clip_low (PPO 0.2)."""
+    clip_high: float = 0.2
+    """ε_high: the ratio is clipped above at 1 + clip_high (DAPO clip-higher: 0.28)."""
+    dual_clip: float | None = None
+    """Dual-clip constant c > 1 bounding the loss of A < 0 tokens at -A·c (Ye et al. 2020; DAPO script: 10)."""
+    ratio_clamp: float | None = None
+    """Seed 001 option: hard-clamp the ratio to [1/C, C] before the surrogate (C = 10); null = off."""
+    loss_agg: str = "seq_mean_token_mean"
+    """Loss aggregation: token_mean (DAPO, VAPO) | seq_mean_token_mean (GRPO) | seq_mean_token_sum |
+    seq_sum_const (Dr.GRPO). Normalizers span the whole optimizer mini-batch."""
+    seq_reweight_alpha: float | None = None
+    """Seed 001 option: scale each sequence's advantages by (l_i/L_median)^(-α) (α in [0, 0.5]); null = off."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch (GRPO's μ); 1 epoch with 1 mini-batch is exactly on-policy."""
+    mini_batches: int = 1
+    """Optimizer steps per epoch; each mini-batch holds whole groups."""
+
+    # --- KL to the reference policy ------------------------------------------------------------
+    kl_coef: float = 0.0
+    """β: weight of the KL to the reference policy; 0 = no reference model is loaded at all."""
+    kl_estimator: str = "k3"
+    """KL_ESTIMATORS name: k1 | k2 | k3 (Schulman 2020, 'Approximating KL divergence')."""
+    kl_in_reward: bool = False
+    """True: r_t -= β·k(old_logp, ref_logp) per token (PPO/RLOO/REINFORCE++); False: + β·k in the loss (GRPO)."""
+    kl_target: float | None = None
+    """Adaptive KL controller target (Ziegler et al. 2019); null = fixed β."""
+    kl_horizon: int = 10000
+    """Adaptive KL controller horizon, in trajectories (Ziegler et al. 2019)."""
+
+    # --- extra loss terms ----------------------------------------------------------------------
+    entropy_coef: float = 0.0
+    """c_ent: entropy bonus weight (loss -= c_ent·H)."""
+    nll_coef: float = 0.0
+    """μ: VAPO positive-example LM loss weight, NLL over responses with acc = 1 (paper: 0.1)."""
+
+    # --- reward shaping and sampling (DAPO, DESIGN.md §5.1) ------------------------------------
+    overlong_filter: bool = False
+    """DAPO overlong filtering: truncated responses get no loss (mask 0) but keep their reward."""
+    overlong_buffer_len: int = 0
+    """L_c: DAPO soft overlong punishment buffer in tokens (paper: 4096 of 20480); 0 = off."""
+    overlong_penalty_factor: float = 1.0
+    """Scale of the soft overlong punishment added to the task reward."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: keep only groups whose filter metric varies (0 < #correct < G), refill."""
+    filter_metric: str = "acc"
+    """Per-trajectory metric whose zero within-group variance drops a group under dynamic sampling."""
+    max_gen_batches: int = 10
+    """Dynamic sampling: generation batches allowed per step before failing (or training on fewer)."""
+    train_on_partial: bool = False
+    """Dynamic sampling: when max_gen_batches runs out, train on the groups kept so far instead of failing."""
+
+    # --- seed 001 estimator options ------------------------------------------------------------
+    hierarchical_alpha: float = 0.5
+    """`hierarchical` estimator: weight α of the within-group advantage vs the whole-batch one."""
+    hybrid_alpha0: float = 1.0
+    """`vapo_grpo_hybrid`: α_0 in α(t) = α_0·exp(-κ t/T), the weight of the GAE advantage."""
+    hybrid_kappa: float = 5.0
+    """`vapo_grpo_hybrid`: decay rate κ of α(t)."""
+    baseline_weights: str = "inv_sqrt_len"
+    """`weighted_baseline` estimator weights: inv_sqrt_len (1/sqrt(|y|)) | uniform."""
+
+    # --- critic (DESIGN.md §5.4) ---------------------------------------------------------------
+    value_clip: float | None = 0.5
+    """ε_v: value-loss clip range around the old values; null = unclipped."""
+    vf_coef: float = 1.0
+    """Weight of the value loss when actor and critic share one backward pass."""
+
+
+BASELINE_WEIGHTS = ("inv_sqrt_len", "uniform")
+
+
+def validate(cfg: Any) -> None:
+    """Check names against the registries and values against their ranges; raise ValueError.
+
+    `cfg` is an AlgoConfig or the composed `algo` DictConfig. Messages name the key and the fix.
+    """
+    from rlcli.algos.advantages import ADVANTAGES
+    from rlcli.algos.functional import AGG_MODES, KL_ESTIMATORS
+    from rlcli.algos.losses import POLICY_LOSSES
+
+    ADVANTAGES.check(cfg.adv_estimator, "algo.adv_estimator")
+    POLICY_LOSSES.check(cfg.policy_loss, "algo.policy_loss")
+    KL_ESTIMATORS.check(cfg.kl_estimator, "algo.kl_estimator")
+    if cfg.loss_agg not in AGG_MODES:
+        raise ValueError(
+            f"algo.loss_agg={cfg.loss_agg!r} is not a known loss aggregation; valid names: {', '.join(AGG_MODES)}"
+        )
+    if cfg.baseline_weights not in BASELINE_WEIGHTS:
+        raise ValueError(
+            f"algo.baseline_weights={cfg.baseline_weights!r}; valid names: {', '.join(BASELINE_WEIGHTS)}"
+        )
+
+    def need(ok: bool, key: str, rule: str) -> None:
+        if not ok:
+            raise ValueError(f"algo.{key}={getattr(cfg, key)!r} must be {rule}")
+
+    need(0.0 <= cfg.clip_low < 1.0, "clip_low", "in [0, 1) (the ratio is clipped below at 1 - clip_low)")
+    need(cfg.clip_high >= 0.0, "clip_high", ">= 0")
+    need(cfg.dual_clip is None or cfg.dual_clip > 1.0, "dual_clip", "> 1 (e.g. 3 or 10) or null")
+    need(cfg.ratio_clamp is None or cfg.ratio_clamp > 1.0, "ratio_clamp", "> 1 (e.g. 10) or null")
+    need(0.0 <= cfg.gamma <= 1.0, "gamma", "in [0, 1]")
+    need(0.0 <= cfg.lam_actor <= 1.0, "lam_actor", "in [0, 1]")
+    need(0.0 <= cfg.lam_critic <= 1.0, "lam_critic", "in [0, 1]")
+    need(
+        cfg.length_adaptive_alpha is None or cfg.length_adaptive_alpha > 0,
+        "length_adaptive_alpha",
+        "> 0 (VAPO: 0.05) or null",
+    )
+    need(cfg.seq_reweight_alpha is None or cfg.seq_reweight_alpha >= 0, "seq_reweight_alpha", ">= 0 or null")
+    need(cfg.ppo_epochs >= 1, "ppo_epochs", ">= 1")
+    need(cfg.mini_batches >= 1, "mini_batches", ">= 1")
+    need(cfg.kl_coef >= 0.0, "kl_coef", ">= 0 (0 turns the KL term and the reference model off)")
+    need(cfg.kl_target is None or cfg.kl_target > 0, "kl_target", "> 0 or null (fixed β)")
+    if cfg.kl_target is not None and cfg.kl_coef == 0:
+        raise ValueError(
+            f"algo.kl_target={cfg.kl_target} needs an initial algo.kl_coef > 0: the adaptive controller "
+            "multiplies β, so it would stay 0; set algo.kl_coef (e.g. 0.01) or algo.kl_target=null"
+        )
+    need(cfg.kl_horizon >= 1, "kl_horizon", ">= 1")
+    need(cfg.entropy_coef >= 0.0, "entropy_coef", ">= 0")
+    need(cfg.nll_coef >= 0.0, "nll_coef", ">= 0")
+    need(cfg.overlong_buffer_len >= 0, "overlong_buffer_len", ">= 0 (0 = soft punishment off)")
+    need(cfg.overlong_penalty_factor >= 0.0, "overlong_penalty_factor", ">= 0")
+    need(cfg.max_gen_batches >= 1, "max_gen_batches", ">= 1")
+    need(bool(cfg.filter_metric), "filter_metric", "a metric name such as acc")
+    need(0.0 <= cfg.hierarchical_alpha <= 1.0, "hierarchical_alpha", "in [0, 1]")
+    need(0.0 <= cfg.hybrid_alpha0 <= 1.0, "hybrid_alpha0", "in [0, 1]")
+    need(cfg.hybrid_kappa >= 0.0, "hybrid_kappa", ">= 0")
+    need(cfg.value_clip is None or cfg.value_clip > 0, "value_clip", "> 0 or null (unclipped)")
+    need(cfg.vf_coef >= 0.0, "vf_coef", ">= 0")

@@ -1,0 +1,586 @@
+"""The math of rlcli as pure tensor functions (DESIGN.md §5): no model, no DeepSpeed, only torch.
+
+Letters as in DESIGN.md §4: N trajectories, T padded response length. Per-token tensors are [N, T],
+right-padded; `mask` is the response (loss) mask, any nonzero entry counts as a valid token (bool or
+float 0/1 both work). Every per-token output is exactly 0 at masked positions, whatever garbage
+(even NaN) the inputs hold there.
+
+Group-level functions take `group_index` [N]: any integers, not necessarily contiguous or sorted;
+responses to one prompt share a value. Groups may have any size, including 1.
+
+These functions are differentiable where that makes sense; advantages are constants for the policy
+gradient, so the advantage registry (`rlcli.algos.advantages.compute_advantages`) runs them under
+`torch.no_grad()`.
+
+Departures and choices the papers leave open are stated in each docstring and in docs/algorithms.md.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from rlcli.registry import Registry
+
+__all__ = [
+    "AGG_MODES",
+    "KL_ESTIMATORS",
+    "aggregate",
+    "aggregation_counts",
+    "clipped_policy_loss",
+    "discounted_returns",
+    "entropy_from_logits",
+    "gae",
+    "group_advantages",
+    "hierarchical_advantages",
+    "hybrid_alpha",
+    "kl_estimate",
+    "length_adaptive_lambda",
+    "masked_mean",
+    "masked_whiten",
+    "rank_advantages",
+    "rloo_advantages",
+    "sequence_reweight",
+    "soft_overlong_penalty",
+    "value_loss",
+    "weighted_baseline_advantages",
+]
+
+LOG_RATIO_CLAMP = 20.0
+"""|logp - old_logp| is clamped to this before exp (DESIGN.md §5.3): exp(20) ~ 5e8 stays finite."""
+K3_INPUT_CLAMP = 20.0
+K3_OUTPUT_CLAMP = 10.0
+LENGTH_ADAPTIVE_LAMBDA_MAX = 1.0 - 1e-6
+"""Upper bound of the length-adaptive λ: 1 - 1/(αl) < 1 for every finite l, this only guards float32
+rounding to exactly 1.0 (αl > ~1e7), which would make GAE undiscounted instead of merely long."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Small helpers
+# ---------------------------------------------------------------------------------------------------
+
+
+def _valid(mask: Tensor) -> Tensor:
+    """Mask as bool: nonzero = valid token."""
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
+def _float(x: Tensor) -> Tensor:
+    return x if x.is_floating_point() else x.to(torch.get_default_dtype())
+
+
+def _nonzero_den(den: Tensor | float | int) -> Tensor | float | int:
+    """A normalizer that is 0 (empty batch: the numerator is 0 too) becomes 1, giving a loss of 0."""
+    if isinstance(den, Tensor):
+        return torch.where(den > 0, den, torch.ones_like(den))
+    return den if den > 0 else 1
+
+
+def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """Mean of `x` over valid entries of `mask` (same shape); 0-dim. 0 when nothing is valid."""
+    m = _valid(mask)
+    total = torch.where(m, x, torch.zeros_like(x)).sum()
+    return total / _nonzero_den(m.sum().to(total.dtype))
+
+
+def _groups(group_index: Tensor) -> tuple[Tensor, int]:
+    """Dense group ids [N] in 0..P-1 and the number of groups P."""
+    _, inv = torch.unique(group_index, return_inverse=True)
+    n_groups = int(inv.max()) + 1 if inv.numel() else 0
+    return inv, n_groups
+
+
+def _group_sum(values: Tensor, inv: Tensor, n_groups: int) -> Tensor:
+    """[P] per-group sums of [N] values."""
+    return torch.zeros(n_groups, dtype=values.dtype, device=values.device).index_add_(0, inv, values)
+
+
+def _group_is_constant(scores: Tensor, inv: Tensor, n_groups: int) -> Tensor:
+    """[N] bool: every member of the trajectory's group has the same score.
+
+    Tested exactly (max == min) rather than via the mean, because sum/n of equal floats need not
+    round back to the same float; constant groups must give advantages that are exactly 0.
+    """
+    empty = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device)
+    gmax = empty.scatter_reduce(0, inv, scores, "amax", include_self=False)
+    gmin = empty.scatter_reduce(0, inv, scores, "amin", include_self=False)
+    return (gmax == gmin)[inv]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Outcome-level advantages (one number per trajectory) — DESIGN.md §5.2
+# ---------------------------------------------------------------------------------------------------
+
+
+def group_advantages(
+    scores: Tensor, group_index: Tensor, std_normalize: bool = True, eps: float = 1e-6
+) -> Tensor:
+    """GRPO / Dr.GRPO group-relative advantage per trajectory.
+
+    Shapes: scores [N] float, group_index [N] int -> [N].
+
+    std_normalize=True (GRPO, Shao et al. 2024, arXiv:2402.03300):
+        A_i = (R_i - mean_g) / (std_g + eps), std_g the unbiased (n-1) standard deviation.
+    std_normalize=False (Dr.GRPO, Liu et al. 2025, arXiv:2503.20783):
+        A_i = R_i - mean_g.
+    A group of one uses mean 0 and std 1, i.e. A = R / (1 + eps) (GRPO) or A = R (Dr.GRPO).
+    A group whose scores are all equal gives exactly 0 (no NaN, no rounding residue).
+    """
+    scores = _float(scores)
+    if scores.numel() == 0:
+        return scores.clone()
+    inv, n_groups = _groups(group_index)
+    ones = torch.ones_like(scores)
+    count = _group_sum(ones, inv, n_groups)  # [P]
+    mean = _group_sum(scores, inv, n_groups) / count  # [P]
+    singleton = (count == 1)[inv]  # [N]
+    centered = scores - mean[inv]
+    adv = centered
+    if std_normalize:
+        sq = _group_sum(centered**2, inv, n_groups)  # [P]
+        std = (sq / (count - 1).clamp_min(1)).sqrt()  # [P] unbiased
+        adv = centered / (std[inv] + eps)
+        singleton_adv = scores / (1.0 + eps)  # mean 0, std 1
+    else:
+        singleton_adv = scores
+    adv = torch.where(_group_is_constant(scores, inv, n_groups), torch.zeros_like(adv), adv)
+    return torch.where(singleton, singleton_adv, adv)
+
+
+def rloo_advantages(scores: Tensor, group_index: Tensor) -> Tensor:
+    """REINFORCE leave-one-out advantage (Kool et al. 2019; Ahmadian et al. 2024, arXiv:2402.14740).
+
+    Shapes: scores [N], group_index [N] -> [N].
+    A_i = R_i - (1/(G-1)) Σ_{j≠i} R_j  ( = G/(G-1) · (R_i - mean_g) ).
+    A group of one has no "others" and keeps A_i = R_i. A constant group gives exactly 0.
+    """
+    scores = _float(scores)
+    if scores.numel() == 0:
+        return scores.clone()
+    inv, n_groups = _groups(group_index)
+    count = _group_sum(torch.ones_like(scores), inv, n_groups)[inv]  # [N]
+    total = _group_sum(scores, inv, n_groups)[inv]  # [N]
+    baseline = (total - scores) / (count - 1).clamp_min(1)
+    adv = torch.where(count == 1, scores, scores - baseline)
+    constant = _group_is_constant(scores, inv, n_groups) & (count > 1)
+    return torch.where(constant, torch.zeros_like(adv), adv)
+
+
+def rank_advantages(scores: Tensor, group_index: Tensor) -> Tensor:
+    """Rank-based group advantage (seed 001 eq. 40; an option, not a paper default).
+
+    Shapes: scores [N], group_index [N] -> [N].
+    A_i = (rank_i - (G+1)/2) / (G/2), ranks 1..G ascending within the group, ties get the average
+    of their ranks. Values lie in (-1, 1); a group of one or a constant group gives 0.
+    Memory: builds [N, N] boolean comparisons (N = 8192 -> 64 MiB each), fine for RL batch sizes.
+    """
+    scores = _float(scores)
+    if scores.numel() == 0:
+        return scores.clone()
+    inv, _ = _groups(group_index)
+    same = inv[:, None] == inv[None, :]  # [N, N]
+    below = ((scores[None, :] < scores[:, None]) & same).sum(1)  # [N] #{j in g: R_j < R_i}
+    ties = ((scores[None, :] == scores[:, None]) & same).sum(1)  # [N] includes i itself
+    size = same.sum(1).to(scores.dtype)  # [N] G of i's group
+    rank = 1 + below.to(scores.dtype) + (ties.to(scores.dtype) - 1) / 2
+    return (rank - (size + 1) / 2) / (size / 2)
+
+
+def weighted_baseline_advantages(scores: Tensor, group_index: Tensor, weights: Tensor) -> Tensor:
+    """Group advantage against a weighted baseline (seed 001 eq. 39/52; an option).
+
+    Shapes: scores [N], group_index [N], weights [N] positive -> [N].
+    A_i = R_i - Σ_{j in g} w_j R_j / Σ_{j in g} w_j.
+    A group of one uses baseline 0 (A_i = R_i), as GRPO's "group of one uses mean 0"; a constant
+    group gives exactly 0.
+    """
+    scores = _float(scores)
+    if scores.numel() == 0:
+        return scores.clone()
+    weights = weights.to(scores.dtype)
+    inv, n_groups = _groups(group_index)
+    count = _group_sum(torch.ones_like(scores), inv, n_groups)[inv]
+    baseline = (_group_sum(weights * scores, inv, n_groups) / _group_sum(weights, inv, n_groups))[inv]
+    adv = torch.where(count == 1, scores, scores - baseline)
+    constant = _group_is_constant(scores, inv, n_groups) & (count > 1)
+    return torch.where(constant, torch.zeros_like(adv), adv)
+
+
+def hierarchical_advantages(scores: Tensor, group_index: Tensor, alpha: float, eps: float = 1e-6) -> Tensor:
+    """Mix of within-group and whole-batch normalisation (seed 001 eq. 51; an option).
+
+    Shapes: scores [N], group_index [N] -> [N].
+    A_i = α · A_local + (1 - α) · A_global, with A_local the GRPO advantage within the group and
+    A_global = (R_i - mean_batch) / (std_batch + eps) over all N trajectories (unbiased std; the
+    same group-of-one and constant rules as `group_advantages`, the batch being one group).
+    """
+    local = group_advantages(scores, group_index, std_normalize=True, eps=eps)
+    everyone = torch.zeros_like(group_index)
+    global_ = group_advantages(scores, everyone, std_normalize=True, eps=eps)
+    return alpha * local + (1.0 - alpha) * global_
+
+
+def hybrid_alpha(step: int, total_steps: int, alpha0: float, kappa: float) -> float:
+    """Weight of the GAE advantage in the VAPO-GRPO hybrid (seed 001 eq. 58-59; an option).
+
+    α(t) = α0 · exp(-κ · t / T_total); `total_steps` below 1 is treated as 1.
+    """
+    return float(alpha0 * math.exp(-kappa * step / max(total_steps, 1)))
+
+
+def sequence_reweight(lengths: Tensor, alpha: float) -> Tensor:
+    """Per-sequence loss weight w_i = (|o_i| / L_median)^(-α) (seed 001 eq. 30; an option).
+
+    Shapes: lengths [N] -> [N] float. L_median is the batch median (the mean of the two middle
+    values for even N); lengths are floored at 1 so empty responses get a finite weight.
+    Longer-than-median responses get weights < 1 for α > 0. α = 0 gives all ones.
+    """
+    lengths = _float(lengths).clamp_min(1.0)
+    if lengths.numel() == 0:
+        return lengths.clone()
+    median = torch.quantile(lengths, 0.5)
+    return (lengths / median).pow(-alpha)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Token-level returns and advantages
+# ---------------------------------------------------------------------------------------------------
+
+
+def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+    """Whiten `x` with statistics over the valid entries of `mask` (DESIGN.md §5.2).
+
+    Shapes: x, mask any equal shape (typically [N, T]) -> same shape.
+    (x - mean) / sqrt(var + eps) with the mean and the UNBIASED variance (n-1) over valid entries;
+    shift_mean=False adds the mean back (rescale only). Masked-out positions are returned as 0.
+    With a single valid entry the variance is taken as 0 (n-1 is floored at 1).
+    """
+    m = _valid(mask)
+    zero = torch.zeros_like(x)
+    n = m.sum().to(x.dtype)
+    mean = torch.where(m, x, zero).sum() / _nonzero_den(n)
+    var = torch.where(m, (x - mean) ** 2, zero).sum() / (n - 1).clamp_min(1)
+    out = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return torch.where(m, out, zero)
+
+
+def _reverse_scan(
+    token_rewards: Tensor, values: Tensor | None, mask: Tensor, gamma: float, lam: Tensor | float
+) -> Tensor:
+    """Backward recursion shared by GAE and discounted returns, skipping masked positions.
+
+    With values=None it computes G_t = r_t + γ G_next (λ unused); otherwise the GAE recursion
+    A_t = δ_t + γ λ A_next, δ_t = r_t + γ V_next - V_t. "next" is the next VALID position; after
+    the last valid token V_next = 0 and A_next = 0.
+    """
+    m = _valid(mask)
+    n, t_len = token_rewards.shape
+    zero = torch.zeros(n, dtype=token_rewards.dtype, device=token_rewards.device)
+    next_value, running = zero, zero  # [N]
+    lam_t = torch.as_tensor(lam, dtype=token_rewards.dtype, device=token_rewards.device)
+    columns: list[Tensor] = []
+    for t in reversed(range(t_len)):
+        valid = m[:, t]
+        r = torch.where(valid, token_rewards[:, t], zero)
+        if values is None:
+            cur = r + gamma * running
+        else:
+            v = torch.where(valid, values[:, t], zero)
+            delta = r + gamma * next_value - v
+            cur = delta + gamma * lam_t * running
+            next_value = torch.where(valid, v, next_value)
+        running = torch.where(valid, cur, running)
+        columns.append(torch.where(valid, cur, zero))
+    if not columns:
+        return torch.zeros_like(token_rewards)
+    return torch.stack(columns[::-1], dim=1)  # [N, T]
+
+
+def gae(
+    token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float | Tensor
+) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016, arXiv:1506.02438). No whitening.
+
+    Shapes: token_rewards [N, T], values [N, T], mask [N, T]; lam a float or a per-sequence
+    tensor [N] (VAPO's length-adaptive λ) -> (advantages [N, T], returns [N, T]).
+        δ_t = r_t + γ V_{t+1} - V_t,   A_t = Σ_l (γλ)^l δ_{t+l},   returns = A + V.
+    Masked positions are skipped: t+1 means the next valid position, and V after the last valid
+    token is 0 (the response ended). Both outputs are 0 at masked positions.
+    """
+    adv = _reverse_scan(token_rewards, values, mask, gamma, lam)
+    m = _valid(mask)
+    returns = torch.where(m, adv + torch.where(m, values, torch.zeros_like(values)), torch.zeros_like(adv))
+    return adv, returns
+
+
+def discounted_returns(token_rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
+    """Reward-to-go G_t = Σ_{k≥t, k valid} γ^(k-t) r_k (REINFORCE / REINFORCE++).
+
+    Shapes: token_rewards [N, T], mask [N, T] -> [N, T], 0 at masked positions. Each row is one
+    response, so the sum restarts per response (nothing after its EOS is counted). The exponent
+    counts valid positions only (masked positions are skipped, as in `gae`).
+    """
+    return _reverse_scan(token_rewards, None, mask, gamma, 0.0)
+
+
+def length_adaptive_lambda(lengths: Tensor, alpha: float = 0.05) -> Tensor:
+    """VAPO's per-sequence actor λ (Yue et al. 2025, arXiv:2504.05118): λ_i = 1 - 1/(α · l_i).
+
+    Shapes: lengths [N] -> [N] float. Chosen so that Σ_t λ^t = 1/(1-λ) = α·l. Clamped to
+    [0, 1 - 1e-6]: sequences shorter than 1/α tokens (20 at α=0.05) get λ = 0 (one-step TD), length
+    0 gives 0; the upper bound only matters where float rounding would reach exactly 1.
+    Example at α=0.05: l=10 -> 0, l=100 -> 0.8, l=1000 -> 0.98.
+    """
+    lengths = _float(lengths)
+    lam = 1.0 - 1.0 / (alpha * lengths)  # l=0 -> -inf -> clamped to 0
+    return lam.clamp(0.0, LENGTH_ADAPTIVE_LAMBDA_MAX)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reward shaping
+# ---------------------------------------------------------------------------------------------------
+
+
+def soft_overlong_penalty(
+    lengths: Tensor, max_len: int, buffer_len: int, penalty_factor: float = 1.0
+) -> Tensor:
+    """DAPO soft overlong punishment (Yu et al. 2025, arXiv:2503.14476, eq. 13).
+
+    Shapes: lengths [N] -> [N] float, to be ADDED to the task reward.
+        0                                   if l ≤ L_max - L_c
+        ((L_max - L_c) - l) / L_c           if L_max - L_c < l ≤ L_max   (linear 0 -> -1)
+        -1                                  if l > L_max
+    times `penalty_factor`. buffer_len (L_c) = 0 turns the punishment off (all zeros).
+    """
+    lengths = _float(lengths)
+    if buffer_len <= 0:
+        return torch.zeros_like(lengths)
+    expected = max_len - buffer_len
+    inside = (expected - lengths) / buffer_len
+    penalty = torch.where(lengths <= expected, torch.zeros_like(lengths), inside)
+    penalty = torch.where(lengths > max_len, torch.full_like(lengths, -1.0), penalty)
+    return penalty * penalty_factor
+
+
+# ---------------------------------------------------------------------------------------------------
+# KL, entropy
+# ---------------------------------------------------------------------------------------------------
+
+KL_ESTIMATORS = Registry("KL estimator")
+"""Per-token estimators of KL(π || π_ref) from sampled-token log-probs (Schulman 2020,
+"Approximating KL divergence", http://joschu.net/blog/kl-approx.html). fn(logp, ref_logp) -> [N, T]."""
+
+
+@KL_ESTIMATORS.register("k1")
+def _k1(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    return logp - ref_logp
+
+
+@KL_ESTIMATORS.register("k2")
+def _k2(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    return 0.5 * (logp - ref_logp) ** 2
+
+
+@KL_ESTIMATORS.register("k3")
+def _k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    d = (ref_logp - logp).clamp(-K3_INPUT_CLAMP, K3_INPUT_CLAMP)
+    return (torch.exp(d) - d - 1).clamp(-K3_OUTPUT_CLAMP, K3_OUTPUT_CLAMP)
+
+
+def kl_estimate(logp: Tensor, ref_logp: Tensor, kind: str) -> Tensor:
+    """Per-token KL estimate (DESIGN.md §5.3). Shapes: logp, ref_logp [N, T] -> [N, T].
+
+    k1 = logp - ref (unbiased, can be negative); k2 = ½ (logp - ref)²;
+    k3 = exp(ref - logp) - (ref - logp) - 1 (unbiased, ≥ 0), with ref - logp clamped to ±20 and the
+    result clamped to ±10. Not masked: multiply or aggregate with the mask yourself.
+    """
+    if kind not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {kind!r}; valid kinds: {', '.join(sorted(KL_ESTIMATORS))}")
+    return KL_ESTIMATORS[kind](logp, ref_logp)
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy of softmax(logits) over the last dim. Shapes: [..., V] -> [...].
+
+    H = logsumexp(z) - Σ softmax(z) · z. Pass temperature-scaled logits (DESIGN.md §5).
+    """
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Policy loss and aggregation
+# ---------------------------------------------------------------------------------------------------
+
+
+def clipped_policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    ratio_clamp: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO clipped surrogate per token, with DAPO's decoupled bounds and optional dual clip.
+
+    Shapes: logp, old_logp, advantages, mask [N, T] -> (loss_mat [N, T], metrics).
+        ρ = exp(clamp(logp - old_logp, -20, 20))
+        ℓ = max(-A·ρ, -A·clip(ρ, 1 - clip_low, 1 + clip_high))         (PPO, arXiv:1707.06347;
+                                                                       clip-higher, arXiv:2503.14476)
+        dual clip (Ye et al. 2020, arXiv:1912.09729), c = dual_clip > 1, only where A < 0:
+        ℓ = min(ℓ, -A·c)
+    ratio_clamp = C (seed 001 option, off by default) first hard-clamps ρ to [1/C, C]; note that
+    tokens outside that band get no gradient at all.
+    loss_mat is 0 at masked positions; reduce it with `aggregate`.
+
+    metrics (detached 0-dim tensors, masked token means):
+        pg_clipfrac        the clipped branch is active (-A·clip(ρ) > -A·ρ), i.e. the token's
+                           gradient is cut by the trust region; = pg_clipfrac_high + pg_clipfrac_low
+        pg_clipfrac_high   ρ > 1 + clip_high and A > 0 (upper bound hit)
+        pg_clipfrac_low    ρ < 1 - clip_low and A < 0 (lower bound hit)
+        pg_clipfrac_lower  the dual clip is active (A < 0 and -A·c < ℓ); name kept from verl
+        ppo_kl             mean of old_logp - logp (k1 estimate of KL(old || current))
+    """
+    m = _valid(mask)
+    zero = torch.zeros_like(logp)
+    log_ratio = (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    if ratio_clamp is not None:
+        ratio = ratio.clamp(1.0 / ratio_clamp, ratio_clamp)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    clip_active = clipped > unclipped
+    dual_active = torch.zeros_like(m)
+    if dual_clip is not None:
+        bound = -advantages * dual_clip
+        dual_active = (advantages < 0) & (bound < loss)
+        loss = torch.where(dual_active, bound, loss)
+    loss = torch.where(m, loss, zero)
+
+    with torch.no_grad():
+        metrics = {
+            "pg_clipfrac": masked_mean(clip_active.to(logp.dtype), m),
+            "pg_clipfrac_high": masked_mean(((ratio > 1.0 + clip_high) & (advantages > 0)).to(logp.dtype), m),
+            "pg_clipfrac_low": masked_mean(((ratio < 1.0 - clip_low) & (advantages < 0)).to(logp.dtype), m),
+            "pg_clipfrac_lower": masked_mean(dual_active.to(logp.dtype), m),
+            "ppo_kl": masked_mean(old_logp - logp, m),
+        }
+    return loss, metrics
+
+
+AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_sum_const")
+"""Loss aggregation modes (DESIGN.md §5.3), see `aggregate`."""
+
+
+def aggregation_counts(mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Normalizer counts of one (micro-)batch: (num_tokens, num_seqs), 0-dim float tensors.
+
+    Shapes: mask [N, T]. num_tokens = number of valid tokens; num_seqs = number of sequences with
+    at least one valid token. Sum these over every micro-batch and rank of an optimizer mini-batch
+    (all-reduce) and pass the totals to `aggregate`: that is what makes gradient accumulation equal
+    one big batch (the verl #5625 pitfall is normalizing per micro-batch).
+    """
+    m = _valid(mask)
+    dtype = torch.get_default_dtype()
+    return m.sum().to(dtype), m.any(dim=-1).sum().to(dtype)
+
+
+def aggregate(
+    loss_mat: Tensor,
+    mask: Tensor,
+    mode: str,
+    num_tokens: Tensor | float | None = None,
+    num_seqs: Tensor | float | None = None,
+    max_len: int | None = None,
+) -> Tensor:
+    """Reduce a per-token loss [N, T] to a scalar (DESIGN.md §5.3).
+
+    With ℓ the loss and m the mask, sums over the rows of THIS (micro-)batch, and normalizers that
+    the caller takes over the whole optimizer mini-batch (see `aggregation_counts`):
+        token_mean            Σ ℓ·m / num_tokens                                (DAPO, VAPO)
+        seq_mean_token_mean   Σ_i (Σ_t ℓ·m / Σ_t m) / num_seqs                  (GRPO)
+        seq_mean_token_sum    Σ_i Σ_t ℓ·m / num_seqs
+        seq_sum_const         Σ ℓ·m / (num_seqs · max_len)                      (Dr.GRPO)
+    Defaults (this batch alone): num_tokens = Σ m; num_seqs = number of sequences with ≥ 1 valid
+    token (fully masked rows, e.g. overlong-filtered ones, contribute 0 and are not counted);
+    max_len = T. For seq_sum_const pass max_len = L_max (the generation budget), not the padded T
+    of a micro-batch, or micro-batches of different widths get different constants.
+    A zero normalizer (nothing valid anywhere) yields 0, not NaN.
+    Because each mode is a sum over rows divided by a global constant, summing
+    aggregate(micro_k, ..., global counts) over micro-batches equals aggregate(whole batch).
+    """
+    if mode not in AGG_MODES:
+        raise ValueError(f"unknown loss aggregation {mode!r}; valid modes: {', '.join(AGG_MODES)}")
+    m = _valid(mask)
+    masked = torch.where(m, loss_mat, torch.zeros_like(loss_mat))
+    tokens_here, seqs_here = aggregation_counts(m)
+    if num_tokens is None:
+        num_tokens = tokens_here.to(loss_mat.dtype)
+    if num_seqs is None:
+        num_seqs = seqs_here.to(loss_mat.dtype)
+    if mode == "token_mean":
+        return masked.sum() / _nonzero_den(num_tokens)
+    if mode == "seq_mean_token_mean":
+        per_seq_tokens = m.sum(-1).to(loss_mat.dtype)  # [N]
+        per_seq = masked.sum(-1) / _nonzero_den(per_seq_tokens)  # [N], 0 for empty rows
+        return per_seq.sum() / _nonzero_den(num_seqs)
+    if mode == "seq_mean_token_sum":
+        return masked.sum() / _nonzero_den(num_seqs)
+    width = loss_mat.shape[-1] if max_len is None else max_len
+    return masked.sum() / _nonzero_den(num_seqs * width)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Critic
+# ---------------------------------------------------------------------------------------------------
+
+
+def value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    clip_range: float | None = 0.5,
+    num_tokens: Tensor | float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped value loss, token_mean over the mask (DESIGN.md §5.4).
+
+    Shapes: values, old_values, returns, mask [N, T] -> (0-dim loss, metrics).
+        ℓ = ½ · max((V - ret)², (clip(V, V_old - ε, V_old + ε) - ret)²),  ε = clip_range
+    clip_range=None gives the unclipped ½ (V - ret)². num_tokens: the global normalizer over the
+    optimizer mini-batch (default: valid tokens of this batch).
+    metrics (detached): vf_clipfrac (the clipped term is the larger one), explained_var =
+    1 - Var(ret - V) / (Var(ret) + 1e-8) over valid tokens (unbiased variances), values_mean.
+    """
+    m = _valid(mask)
+    unclipped = (values - returns) ** 2
+    if clip_range is None:
+        loss_mat = 0.5 * unclipped
+        clip_active = torch.zeros_like(m)
+    else:
+        v_clipped = old_values + (values - old_values).clamp(-clip_range, clip_range)
+        clipped = (v_clipped - returns) ** 2
+        loss_mat = 0.5 * torch.maximum(unclipped, clipped)
+        clip_active = clipped > unclipped
+    loss = aggregate(loss_mat, m, "token_mean", num_tokens=num_tokens)
+    with torch.no_grad():
+        zero = torch.zeros_like(values)
+        n = m.sum().to(values.dtype)
+
+        def _var(x: Tensor) -> Tensor:
+            mean = torch.where(m, x, zero).sum() / _nonzero_den(n)
+            return torch.where(m, (x - mean) ** 2, zero).sum() / (n - 1).clamp_min(1)
+
+        metrics = {
+            "vf_clipfrac": masked_mean(clip_active.to(values.dtype), m),
+            "explained_var": 1.0 - _var(returns - values) / (_var(returns) + 1e-8),
+            "values_mean": masked_mean(values, m),
+        }
+    return loss, metrics

@@ -1,0 +1,40 @@
+"""Policy losses (DESIGN.md §5.3): registry `POLICY_LOSSES`, one signature for all.
+
+    fn(logp, old_logp, advantages, mask, cfg: AlgoConfig) -> (loss_mat [N, T], metrics)
+
+`loss_mat` is the per-token loss, 0 at masked positions; the trainer reduces it with
+`aggregate(loss_mat, mask, cfg.loss_agg, num_tokens=..., num_seqs=..., max_len=...)`, the counts
+summed over the whole optimizer mini-batch (`aggregation_counts`). `metrics` are detached 0-dim
+tensors named as in DESIGN.md §8 (without the `actor/` prefix).
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from rlcli.algos import functional as F
+from rlcli.algos.config import AlgoConfig
+from rlcli.registry import Registry
+
+POLICY_LOSSES = Registry("policy loss")
+AGG_MODES = F.AGG_MODES
+aggregate = F.aggregate
+aggregation_counts = F.aggregation_counts
+value_loss = F.value_loss
+
+
+@POLICY_LOSSES.register("clipped")
+def clipped(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, cfg: AlgoConfig
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO/GRPO/DAPO clipped surrogate: clip_low/clip_high, optional dual clip and ratio clamp."""
+    return F.clipped_policy_loss(
+        logp,
+        old_logp,
+        advantages,
+        mask,
+        clip_low=cfg.clip_low,
+        clip_high=cfg.clip_high,
+        dual_clip=cfg.dual_clip,
+        ratio_clamp=cfg.ratio_clamp,
+    )

@@ -1,0 +1,103 @@
+"""The rollout batch: the tensors of one step with named shapes, and group helpers.
+
+Letters as in DESIGN.md §4: N trajectories (P prompts x G responses), Tp padded prompt length
+(left-padded), T padded response length (right-padded).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def _pad_to(x: Tensor, length: int, value: float, left: bool) -> Tensor:
+    extra = length - x.shape[1]
+    if extra <= 0:
+        return x
+    return F.pad(x, (extra, 0) if left else (0, extra), value=value)
+
+
+@dataclass
+class RolloutBatch:
+    prompt_ids: Tensor  # [N, Tp] left-padded
+    prompt_mask: Tensor  # [N, Tp] 1 on prompt tokens
+    response_ids: Tensor  # [N, T] right-padded
+    response_mask: Tensor  # [N, T] 1 on generated tokens incl. EOS (DESIGN.md §4)
+    truncated: Tensor  # [N] bool: hit max_new_tokens without EOS
+    group_index: Tensor  # [N] int: responses of one prompt share an index
+    answers: list[str]  # [N] ground truth per trajectory
+    texts: list[str]  # [N] decoded responses
+    # Filled by later stages.
+    scores: Tensor | None = None  # [N] shaped outcome reward
+    acc: Tensor | None = None  # [N] 1 if verified correct
+    loss_mask: Tensor | None = None  # [N, T] response_mask minus overlong-filtered rows
+    old_logp: Tensor | None = None  # [N, T] log-probs of the sampling policy (temperature-scaled)
+    ref_logp: Tensor | None = None  # [N, T] reference policy log-probs (only with KL)
+    values: Tensor | None = None  # [N, T] critic values (only with a critic)
+    advantages: Tensor | None = None  # [N, T]
+    returns: Tensor | None = None  # [N, T]
+    token_rewards: Tensor | None = None  # [N, T]
+    stale: Tensor | None = None  # [N] bool: carried over from an earlier step (dynamic sampling)
+    extras: dict[str, Tensor] = field(default_factory=dict)  # per-trajectory [N] reward parts etc.
+
+    def __len__(self) -> int:
+        return self.response_ids.shape[0]
+
+    @property
+    def lengths(self) -> Tensor:  # [N]
+        return self.response_mask.sum(-1).long()
+
+    @property
+    def groups(self) -> Tensor:  # [P] unique group ids in order of first appearance
+        ids, first = [], set()
+        for g in self.group_index.tolist():
+            if g not in first:
+                first.add(g)
+                ids.append(g)
+        return torch.tensor(ids, dtype=torch.long)
+
+    def select(self, idx: Tensor) -> RolloutBatch:
+        """Rows `idx` (a [M] long tensor); tensors of every field are indexed alike."""
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, Tensor):
+                out[f.name] = v[idx]
+            elif isinstance(v, list):
+                out[f.name] = [v[i] for i in idx.tolist()]
+            elif isinstance(v, dict):
+                out[f.name] = {k: t[idx] for k, t in v.items()}
+            else:
+                out[f.name] = v
+        return replace(self, **out)
+
+    def select_groups(self, group_ids: Tensor) -> RolloutBatch:
+        keep = torch.isin(self.group_index, group_ids)
+        return self.select(keep.nonzero().squeeze(-1))
+
+    @staticmethod
+    def cat(parts: list[RolloutBatch]) -> RolloutBatch:
+        """Concatenate batches with different Tp/T: prompts re-padded left, responses right."""
+        if len(parts) == 1:
+            return parts[0]
+        tp = max(p.prompt_ids.shape[1] for p in parts)
+        t = max(p.response_ids.shape[1] for p in parts)
+        out = {}
+        for f in fields(RolloutBatch):
+            vals = [getattr(p, f.name) for p in parts]
+            if any(v is None for v in vals):
+                out[f.name] = None
+            elif isinstance(vals[0], list):
+                out[f.name] = [x for v in vals for x in v]
+            elif isinstance(vals[0], dict):
+                out[f.name] = {k: torch.cat([v[k] for v in vals]) for k in vals[0]}
+            elif vals[0].dim() == 2:
+                left = f.name.startswith("prompt")
+                pad_val = 0.0
+                out[f.name] = torch.cat([_pad_to(v, tp if left else t, pad_val, left) for v in vals])
+            else:
+                out[f.name] = torch.cat(vals)
+        return RolloutBatch(**out)

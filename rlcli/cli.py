@@ -1,0 +1,139 @@
+"""`rlcli <command> [hydra overrides]`: train | sft | eval | ladder | plot | explain.
+
+Compose once, freeze, fan out (DESIGN.md §3): this process composes the config with Hydra,
+validates it, writes run_dir/config.yaml, then trains in-process (hw.nproc == 1) or launches
+`hw.nproc` torchrun workers that load the frozen YAML and never run Hydra themselves.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+COMMANDS = {
+    "train": "RL training: rollout -> reward -> shaping -> scoring -> advantage -> update.",
+    "sft": "Supervised warm-start of the embedded tiny model on the embedded task (cached).",
+    "explain": "Print every config key with its type, default and meaning (optionally one group).",
+}
+
+
+def _usage() -> str:
+    lines = ["usage: rlcli <command> [key=value ...] [-m] [--cfg job] [--help]", "", "commands:"]
+    lines += [f"  {k:<8} {v}" for k, v in COMMANDS.items()]
+    lines += ["", "Any config key can be overridden (algo.clip_high=0.28); groups are chosen with",
+              "group=option (algo=dapo hw=cpu_x2); `rlcli train --help` lists groups and knobs."]
+    return "\n".join(lines)
+
+
+def _environment() -> None:
+    """Offline by default: nothing may download weights or datasets at run time."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("WANDB_SILENT", "true")
+
+
+def _run_dir(cfg: Any) -> str:
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    out = HydraConfig.get().runtime.output_dir
+    with open_dict(cfg):
+        cfg.run_dir = out
+    return out
+
+
+def _freeze(cfg: Any) -> str:
+    from omegaconf import OmegaConf
+
+    path = os.path.join(cfg.run_dir, "config.yaml")
+    OmegaConf.save(cfg, path, resolve=True)
+    return path
+
+
+def train_job(cfg: Any) -> dict[str, Any] | None:
+    """One Hydra job: validate, freeze, then train here or launch workers."""
+    from rlcli.config import validate
+
+    _run_dir(cfg)
+    validate(cfg)
+    frozen = _freeze(cfg)
+    if cfg.hw.nproc == 1:
+        from rlcli.trainer import Trainer
+
+        return Trainer(cfg).fit()
+    return launch(frozen, cfg.hw.nproc, cfg.hw.master_port)
+
+
+def launch(frozen_config: str, nproc: int, port: int) -> None:
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+        f"--master_port={port}", "-m", "rlcli.worker", frozen_config,
+    ]
+    print("launching:", " ".join(cmd), flush=True)
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    if proc.returncode:
+        raise SystemExit(f"workers failed with exit code {proc.returncode}; see the log above")
+
+
+def sft_job(cfg: Any) -> None:
+    from rlcli.models import as_objects, warm_start_data
+    from rlcli.sft import warm_start
+
+    _run_dir(cfg)
+    if cfg.model.path is not None:
+        raise SystemExit("rlcli sft warm-starts the embedded tiny model: leave model.path unset")
+    path = warm_start(*as_objects(cfg.model.tiny, cfg.model.warm_start), **warm_start_data(cfg.data))
+    print(f"warm-started tiny model: {path}")
+    report = Path(path) / "warm_start.json"
+    if report.exists():
+        print(report.read_text())
+
+
+JOBS = {"train": train_job, "sft": sft_job}
+
+
+def _hydra_main(command: str, argv: list[str]) -> None:
+    import hydra
+
+    from rlcli.config import register_configs
+
+    register_configs()
+    job = JOBS[command]
+
+    @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
+    def entry(cfg: Any) -> None:
+        job(cfg)
+
+    sys.argv = [f"rlcli {command}", *argv]
+    entry()
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    _environment()
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return
+    command, rest = argv[0], argv[1:]
+    if command == "explain":
+        from rlcli.schema_doc import explain
+
+        print(explain(rest[0] if rest else None, CONF_DIR))
+        return
+    if command not in JOBS:
+        raise SystemExit(f"unknown command {command!r}\n\n{_usage()}")
+    if "--help" in rest or "-h" in rest:
+        from rlcli.schema_doc import help_text
+
+        print(help_text(command, COMMANDS[command], CONF_DIR))
+        return
+    _hydra_main(command, rest)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,228 @@
+"""The run configuration: one dataclass schema, registered in Hydra's ConfigStore.
+
+Defaults live here and only here (STYLE.md habit 3). YAML files under `conf/` set values; the root
+schema is the first entry of `conf/config.yaml`'s defaults list, so every group option, recipe and
+command-line override is merged into a typed, struct-mode tree: a misspelled key or a wrong type
+fails at compose time, before any model is built, with the offending key in the message.
+
+Batch units (DESIGN.md §4), each stated once and printed at start-up:
+  P = rollout.prompts_per_step, G = rollout.n, N = P*G trajectories per step,
+  algo.mini_batches optimizer steps per epoch, algo.ppo_epochs epochs,
+  hw.micro_batch / hw.max_tokens_per_micro_batch: memory only, never the math.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from rlcli.algos.config import AlgoConfig
+from rlcli.data.config import DataConfig
+from rlcli.models.tiny import TinyModelConfig
+from rlcli.rewards.config import RewardConfig, group_base
+from rlcli.sft import WarmStartConfig
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    """Preset name, for logs and run names."""
+    path: str | None = None
+    """A local directory or hub id loaded with AutoModelForCausalLM; null = the embedded tiny model (warm-started)."""
+    tokenizer_path: str | None = None
+    """Tokenizer location if it differs from `path`."""
+    dtype: str = "float32"
+    """Weights dtype when loading: float32 | bfloat16 (fp16 is refused on CPU by DeepSpeed)."""
+    attn_implementation: str | None = None
+    """transformers attention backend (eager | sdpa | flash_attention_2); null = library default."""
+    trust_remote_code: bool = False
+    """Passed to from_pretrained for hub models that ship their own code."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory (large models)."""
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    """Architecture of the embedded tiny Llama (used when `path` is null)."""
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    """Supervised warm-start of the tiny model on the embedded task (built on first use, cached)."""
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "hf"
+    """Generation engine: hf (transformers generate with KV cache) | vllm (GPU only, optional extra)."""
+    prompts_per_step: int = 16
+    """P: prompts (groups) per training step, summed over all ranks."""
+    n: int = 8
+    """G: responses sampled per prompt (the group)."""
+    gen_prompts_per_step: int | None = None
+    """Prompts per generation batch when dynamic sampling refills (DAPO); null = prompts_per_step."""
+    max_new_tokens: int = 96
+    """L_max: response budget in tokens; a response that reaches it without EOS is `truncated`."""
+    temperature: float = 1.0
+    """Sampling temperature; log-probs for the loss use logits divided by it (DESIGN.md §5)."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold (1.0 = off)."""
+    top_k: int = 0
+    """Top-k sampling (0 = off)."""
+    gen_batch_size: int = 128
+    """Memory only: sequences per generate call."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 5e-5
+    """Actor learning rate (AdamW)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    warmup_steps: int = 0
+    """Linear LR warmup, in optimizer steps."""
+    scheduler: str = "constant_with_warmup"
+    """transformers.get_scheduler name: constant_with_warmup | cosine | linear."""
+    max_grad_norm: float = 1.0
+    """Global gradient-norm clip (DESIGN.md §5.5); steps with a non-finite norm are skipped."""
+
+
+@dataclass
+class HWConfig:
+    name: str = "cpu"
+    """Preset name."""
+    device: str = "cpu"
+    """cpu | cuda."""
+    nproc: int = 1
+    """Processes (data-parallel ranks); >1 makes `rlcli train` launch workers with torchrun."""
+    zero_stage: int = 0
+    """DeepSpeed ZeRO stage 0-3."""
+    precision: str = "fp32"
+    """fp32 | bf16 (fp16 is refused on CPU)."""
+    offload_optimizer: bool = False
+    """ZeRO optimizer-state offload to CPU (GPU runs)."""
+    micro_batch: int = 32
+    """Memory only: trajectories per forward/backward micro-batch."""
+    max_tokens_per_micro_batch: int | None = None
+    """Memory only: also cap prompt+response tokens per micro-batch (null = no cap)."""
+    num_threads: int | None = None
+    """torch intra-op threads per process (null = torch default)."""
+    shm_comm: bool = False
+    """Use DeepSpeed's CPU shared-memory all-reduce op (JIT-compiled once, ~50 s); gloo otherwise."""
+    master_port: int = 29533
+    """Rendezvous port for multi-process runs."""
+
+
+@dataclass
+class LoggerConfig:
+    name: str = "stdout"
+    """stdout | wandb. metrics.jsonl is always written to the run directory."""
+    project: str = "rlcli"
+    """wandb project."""
+    mode: str = "offline"
+    """wandb mode: offline | online | disabled."""
+    log_every: int = 1
+    """Print a metrics line every this many steps."""
+
+
+@dataclass
+class EvalConfig:
+    size: int | None = None
+    """Held-out prompts to evaluate (null = data.eval_size)."""
+    k: int = 1
+    """Responses sampled per prompt."""
+    temperature: float = 0.0
+    """0 = greedy decoding; DAPO evaluates with 1.0."""
+    top_p: float = 1.0
+    """Nucleus threshold for sampled evaluation (DAPO: 0.7)."""
+    every: int = 0
+    """Evaluate every this many training steps (0 = only before and after training)."""
+    before: bool = True
+    """Evaluate the initial policy before training."""
+
+
+@dataclass
+class Config:
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    """The algorithm: estimator, loss, aggregation, KL, shaping (conf/algo/)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy model (conf/model/)."""
+    hw: HWConfig = field(default_factory=HWConfig)
+    """Hardware layout and DeepSpeed settings (conf/hw/)."""
+    reward: RewardConfig = field(default_factory=group_base)
+    """Reward functions and their weights (conf/reward/); weights start empty, each selected option adds its part."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompt source (conf/data/)."""
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    """Where metrics go (conf/logger/)."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Sampling settings and batch units P and G."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and LR schedule."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Held-out evaluation."""
+    seed: int = 0
+    """Global seed (data order, sampling, initialisation)."""
+    steps: int = 60
+    """Training steps (each: rollout P*G trajectories, then mini_batches x ppo_epochs optimizer steps)."""
+    run_dir: str = MISSING
+    """Output directory of the run; set by Hydra (hydra.run.dir / hydra.sweep.dir)."""
+    save: bool = True
+    """Save the final policy (save_pretrained + tokenizer) to run_dir/policy."""
+
+
+def register_configs() -> None:
+    ConfigStore.instance().store(name="config_schema", node=Config)
+
+
+def validate(cfg: DictConfig | Any) -> None:
+    """Cross-field checks that types alone cannot express; raise ValueError naming key and fix."""
+    from rlcli.algos.config import validate as validate_algo
+    from rlcli.data.config import validate as validate_data
+    from rlcli.rewards.config import validate as validate_reward
+
+    validate_algo(cfg.algo)
+    validate_reward(cfg.reward)
+    validate_data(cfg.data)
+    r, hw, a = cfg.rollout, cfg.hw, cfg.algo
+    if r.prompts_per_step % hw.nproc:
+        raise ValueError(
+            f"rollout.prompts_per_step={r.prompts_per_step} is not divisible by hw.nproc={hw.nproc}: "
+            "each rank generates whole groups for an equal share of the prompts"
+        )
+    per_rank_p = r.prompts_per_step // hw.nproc
+    if per_rank_p % a.mini_batches:
+        raise ValueError(
+            f"per-rank prompts ({r.prompts_per_step}/{hw.nproc}={per_rank_p}) are not divisible by "
+            f"algo.mini_batches={a.mini_batches}: a mini-batch holds whole groups; change one of them"
+        )
+    for key, value, low in (
+        ("rollout.n", r.n, 1),
+        ("rollout.max_new_tokens", r.max_new_tokens, 1),
+        ("hw.micro_batch", hw.micro_batch, 1),
+        ("steps", cfg.steps, 0),
+        ("hw.nproc", hw.nproc, 1),
+    ):
+        if value < low:
+            raise ValueError(f"{key}={value} must be >= {low}")
+    if r.temperature <= 0:
+        raise ValueError(f"rollout.temperature={r.temperature} must be > 0 for RL sampling")
+    if hw.precision not in ("fp32", "bf16"):
+        raise ValueError(f"hw.precision={hw.precision!r}: choose fp32 or bf16 (fp16 is refused on CPU)")
+    if hw.zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"hw.zero_stage={hw.zero_stage} must be 0, 1, 2 or 3")
+    if r.engine not in ("hf", "vllm"):
+        raise ValueError(f"rollout.engine={r.engine!r}: choose hf or vllm")
+    if r.engine == "vllm" and hw.device != "cuda":
+        raise ValueError("rollout.engine=vllm needs hw.device=cuda; use rollout.engine=hf on CPU")
+    if cfg.logger.name not in ("stdout", "wandb"):
+        raise ValueError(f"logger.name={cfg.logger.name!r}: choose stdout or wandb")
+
+
+def load_frozen(path: str) -> DictConfig:
+    """Load a run's frozen config.yaml (what workers do; they never run Hydra themselves)."""
+    schema = OmegaConf.structured(Config)
+    cfg = OmegaConf.merge(schema, OmegaConf.load(path))
+    OmegaConf.set_struct(cfg, True)
+    return cfg  # type: ignore[return-value]

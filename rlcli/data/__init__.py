@@ -1,0 +1,80 @@
+"""Prompt sources and the per-rank prompt stream.
+
+`load_split` / `load_examples` give the examples `{"prompt", "answer"}` of one split: the embedded
+arith task (data.source=arith) or a local file read through a schema adapter and a prompt template
+(data.source=file; rlcli.data.loaders, docs/data.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rlcli.data.loaders import LoadReport
+
+log = logging.getLogger(__name__)
+
+
+def load_split(
+    data_cfg: Any, split: str, seed: int, *, tokenizer: Any = None
+) -> tuple[list[dict[str, str]], LoadReport]:
+    """Examples `{"prompt", "answer"}` of `split` ("train" | "eval") and the report of the load.
+
+    `tokenizer` renders chat templates (data.chat) and measures prompts for data.max_prompt_len;
+    without one, prompts are plain templated text and lengths are not checked. The report is also
+    logged: a summary line, and the first bad / over-long rows with row numbers and reasons.
+    arith prompts are generated already formatted (template, chat and length limit do not apply).
+    """
+    from rlcli.data.config import validate
+    from rlcli.data.loaders import LoadReport, load_file_split
+
+    validate(data_cfg)
+    if data_cfg.source == "arith":
+        from rlcli.data.arith import arith_examples
+
+        size = data_cfg.train_size if split == "train" else data_cfg.eval_size
+        examples = arith_examples(
+            split, size, seed=0, min_digits=data_cfg.min_digits, max_digits=data_cfg.max_digits
+        )
+        report = LoadReport(split=split, source="the embedded arith task", kept=len(examples), generated=True)
+    else:
+        examples, report = load_file_split(data_cfg, split, tokenizer)
+    log.info(report.summary())
+    for line in report.details():
+        log.warning("data[%s] %s", split, line.strip())
+    return examples, report
+
+
+def load_examples(data_cfg: Any, split: str, seed: int, *, tokenizer: Any = None) -> list[dict[str, str]]:
+    """Examples of `split`; `load_split` without the report (which is logged either way)."""
+    return load_split(data_cfg, split, seed, tokenizer=tokenizer)[0]
+
+
+class PromptStream:
+    """Endless, seeded, epoch-shuffled prompts. Every rank walks the same global order and takes
+    its own slice of each global draw, so ranks never see the same prompt in one step."""
+
+    def __init__(self, examples: list[dict[str, str]], seed: int, shuffle: bool, rank: int, world: int):
+        if not examples:
+            raise ValueError("the training split has no usable prompt")
+        self.examples, self.shuffle = examples, shuffle
+        self.rng = random.Random(seed)
+        self.rank, self.world = rank, world
+        self.order: list[int] = []
+        self.epoch = 0
+
+    def _next_index(self) -> int:
+        if not self.order:
+            self.order = list(range(len(self.examples)))
+            if self.shuffle:
+                self.rng.shuffle(self.order)
+            self.order.reverse()
+            self.epoch += 1
+        return self.order.pop()
+
+    def take(self, k: int) -> list[dict[str, str]]:
+        """k prompts for this rank (the global draw is k * world)."""
+        draw = [self._next_index() for _ in range(k * self.world)]
+        return [self.examples[i] for i in draw[self.rank * k : (self.rank + 1) * k]]

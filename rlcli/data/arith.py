@@ -1,0 +1,127 @@
+"""The embedded synthetic task: column arithmetic with digit-by-digit worked solutions.
+
+    Q: 347+85=?
+    A: 7+5=12
+    4+8+1=13
+    3+0+1=4
+    \\boxed{432}
+
+The prompt ends at `A:`; the target response (`solution`) is everything after it. One line per
+column from the right, the shorter operand padded with 0, the carry (`+1`) or borrow (`-1`) from
+the previous column written only when it is 1, and a borrowing column written with its
+borrowed ten (`14-8=6`). Why worked steps: on direct answers the tiny model stays under 12% after
+150 s of supervised training, with steps it passes 75% (DESIGN.md §2); and the response length then
+grows with the number of digits, which the DAPO/VAPO length techniques need.
+
+`difficulty` is the number of digits of the longer operand. Splits are disjoint by construction: a
+problem belongs to `eval` iff a hash of its text falls in the eval bucket (10%), so no eval problem
+can ever be drawn for `train`, whatever the seed or size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+
+SPLITS = ("train", "eval")
+OPS = ("+", "-")
+EVAL_PERCENT = 10
+"""Share of all problems (by hash of the problem text) reserved for the eval split."""
+
+_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+
+
+def is_eval_problem(question: str) -> bool:
+    """True iff `question` (e.g. '347+85') belongs to the eval split."""
+    digest = hashlib.sha256(question.encode()).digest()
+    return int.from_bytes(digest[:8], "big") % 100 < EVAL_PERCENT
+
+
+def worked_steps(a: int, b: int, op: str) -> list[str]:
+    """Column-by-column steps for `a op b` (units first); for '-' requires a >= b."""
+    xs, ys = str(a)[::-1], str(b)[::-1]
+    width = max(len(xs), len(ys))
+    xs, ys = xs.ljust(width, "0"), ys.ljust(width, "0")
+    steps, carry = [], 0
+    for x, y in zip(map(int, xs), map(int, ys)):
+        if op == "+":
+            total = x + y + carry
+            steps.append(f"{x}+{y}{'+1' if carry else ''}={total}")
+            carry = total // 10
+        else:
+            borrow_in = carry
+            total = x - y - borrow_in
+            carry = int(total < 0)
+            shown_x = x + 10 * carry  # '14-8=6': the borrowed ten is written into the column
+            steps.append(f"{shown_x}-{y}{'-1' if borrow_in else ''}={total + 10 * carry}")
+    return steps
+
+
+def make_example(a: int, b: int, op: str) -> dict:
+    """One problem as {prompt, answer, solution, difficulty}; the solution ends in \\boxed{answer}."""
+    if op not in OPS:
+        raise ValueError(f"op={op!r} is not supported; valid: {OPS}")
+    if op == "-" and a < b:
+        raise ValueError(f"subtraction needs a >= b (answers stay non-negative), got {a}-{b}")
+    answer = str(a + b if op == "+" else a - b)
+    steps = worked_steps(a, b, op)
+    return {
+        "prompt": f"Q: {a}{op}{b}=?\nA:",
+        "answer": answer,
+        "solution": " " + "\n".join(steps) + f"\n\\boxed{{{answer}}}",
+        "difficulty": max(len(str(a)), len(str(b))),
+    }
+
+
+def _random_operand(rng: random.Random, digits: int) -> int:
+    return rng.randrange(0 if digits == 1 else 10 ** (digits - 1), 10**digits)
+
+
+def arith_examples(
+    split: str,
+    size: int,
+    seed: int = 0,
+    min_digits: int = 1,
+    max_digits: int = 3,
+    ops: str = "+",
+) -> list[dict]:
+    """`size` problems of `split` ('train' or 'eval'), drawn i.i.d. (repeats possible).
+
+    Difficulty (digits of the longer operand) is uniform in [min_digits, max_digits]; the other
+    operand has a uniform 1..difficulty digits. `ops` is a string of operators to draw uniformly
+    from, e.g. '+' or '+-'. Deterministic in (split, size, seed, min_digits, max_digits, ops), and
+    a longer list extends a shorter one drawn with the same arguments.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r}; valid splits: {SPLITS}")
+    if not 1 <= min_digits <= max_digits:
+        raise ValueError(f"need 1 <= min_digits <= max_digits, got {min_digits}, {max_digits}")
+    if not ops or any(op not in OPS for op in ops):
+        raise ValueError(f"ops={ops!r}: use a non-empty string of operators from {OPS}")
+    want_eval = split == "eval"
+    rng = random.Random(f"arith/{split}/{seed}")  # str seeds hash via sha512: stable across runs
+    out = []
+    while len(out) < size:
+        digits = rng.randint(min_digits, max_digits)
+        a = _random_operand(rng, digits)
+        b = _random_operand(rng, rng.randint(1, digits))
+        op = rng.choice(ops)
+        if op == "-":
+            a, b = max(a, b), min(a, b)
+        elif rng.random() < 0.5:
+            a, b = b, a  # the longer operand comes first or second equally often
+        if is_eval_problem(f"{a}{op}{b}") == want_eval:
+            out.append(make_example(a, b, op))
+    return out
+
+
+def extract_boxed(text: str) -> str | None:
+    """Content of the last `\\boxed{...}` in `text` (no nested braces), stripped; None if absent."""
+    found = _BOXED.findall(text)
+    return found[-1].strip() if found else None
+
+
+def is_correct(response: str, answer: str) -> bool:
+    """Exact-match check of the boxed answer (a cheap stand-in for math-verify on this task)."""
+    return extract_boxed(response) == answer

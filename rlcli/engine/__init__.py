@@ -1,0 +1,190 @@
+"""DeepSpeed, in exactly one module: process group, engine construction, optimizer steps, saving.
+
+The policy (and the critic) are DeepSpeed engines on CPU and GPU alike (DESIGN.md §2-§3). The loop
+owns gradient accumulation: it marks the accumulation boundary itself and scales each micro-batch
+loss by the world size, so a loss normalised by counts reduced over the whole mini-batch gives the
+same gradient however the mini-batch is split into micro-batches and ranks (DESIGN.md §5.3).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def init_distributed(hw: Any) -> None:
+    """Join (or create) the process group. A single process gets a one-rank gloo/nccl group."""
+    import deepspeed
+    import deepspeed.ops
+
+    if dist.is_available() and dist.is_initialized():
+        return
+    for key, value in (
+        ("RANK", "0"),
+        ("WORLD_SIZE", "1"),
+        ("LOCAL_RANK", "0"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", str(hw.master_port)),
+    ):
+        os.environ.setdefault(key, value)
+    if hw.device == "cpu" and not hw.shm_comm:
+        # DeepSpeed JIT-compiles a shared-memory all-reduce for CPU at first init (~50 s on 2 cores).
+        # Marking it incompatible makes DeepSpeed fall back to plain gloo collectives.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    if hw.num_threads:
+        torch.set_num_threads(hw.num_threads)
+    deepspeed.init_distributed(dist_backend="gloo" if hw.device == "cpu" else "nccl", verbose=False)
+    if hw.device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum a tensor over ranks (a no-op copy in one process)."""
+    x = x.clone()
+    if world_size() > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+    return x
+
+
+def device(hw: Any) -> torch.device:
+    if hw.device == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def ds_config(hw: Any, optim: Any) -> dict[str, Any]:
+    """The DeepSpeed config dict built from the `hw` and `optim` groups."""
+    zero: dict[str, Any] = {"stage": hw.zero_stage}
+    if hw.offload_optimizer and hw.zero_stage > 0:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    return {
+        # The loop feeds variable micro-batches and owns the boundary; these two only satisfy
+        # DeepSpeed's batch bookkeeping.
+        "train_micro_batch_size_per_gpu": hw.micro_batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": optim.max_grad_norm,
+        "zero_optimization": zero,
+        "bf16": {"enabled": hw.precision == "bf16"},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+@dataclass
+class StepResult:
+    grad_norm: float
+    applied: bool
+
+
+class Engine:
+    """A DeepSpeed engine plus its LR schedule, with the accumulation protocol of the loop.
+
+    Usage per optimizer step: `begin()`, then for each micro-batch `backward(loss, last=...)`,
+    then `step()`. `backward` multiplies by the world size because DeepSpeed averages gradients
+    over ranks, while our losses are already divided by counts reduced over all ranks.
+    """
+
+    def __init__(self, model: torch.nn.Module, hw: Any, optim: Any, total_steps: int, lr: float | None = None):
+        import deepspeed
+        from transformers import get_scheduler
+
+        lr = optim.lr if lr is None else lr
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(
+            params, lr=lr, betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay
+        )
+        self.ds, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=opt, config=ds_config(hw, optim)
+        )
+        self.scheduler = get_scheduler(
+            optim.scheduler, self.optimizer, num_warmup_steps=optim.warmup_steps,
+            num_training_steps=max(total_steps, 1),
+        )
+        self.zero_stage = hw.zero_stage
+        self.skipped_steps = 0
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.ds.module
+
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def backward(self, loss: torch.Tensor, last: bool) -> None:
+        self.ds.set_gradient_accumulation_boundary(last)
+        self.ds.backward(loss * world_size(), scale_wrt_gas=False)
+
+    def step(self) -> StepResult:
+        """Apply the accumulated gradient unless its norm is not finite (then skip and count it)."""
+        norm = self._grad_norm()
+        if norm is not None and not math.isfinite(norm):
+            self.ds.zero_grad()
+            self.skipped_steps += 1
+            return StepResult(norm, applied=False)
+        self.ds.step()
+        self.scheduler.step()
+        if norm is None:  # ZeRO >= 2: gradients are partitioned; DeepSpeed computed the norm
+            norm = float(self.ds.get_global_grad_norm() or float("nan"))
+        return StepResult(norm, applied=True)
+
+    def _grad_norm(self) -> float | None:
+        """Global grad norm before clipping, from the (already all-reduced) gradients.
+
+        With ZeRO 0/1 gradients sit in `p.grad` after the boundary backward; with ZeRO 2/3 they
+        are partitioned inside DeepSpeed's optimizer, so the non-finite guard is DeepSpeed's own.
+        """
+        if self.zero_stage >= 2:
+            return None
+        grads = [p.grad for p in self.ds.module.parameters() if p.grad is not None]
+        if not grads:
+            return 0.0
+        return float(torch.nn.utils.get_total_norm(grads, norm_type=2.0))
+
+    def train(self) -> None:
+        self.ds.train()
+
+    def eval(self) -> None:
+        self.ds.eval()
+
+
+def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """An inference-only copy (the KL reference policy): no grads, eval mode."""
+    import copy
+
+    ref = copy.deepcopy(model).eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref
+
+
+def save_policy(module: torch.nn.Module, tokenizer: Any, path: str) -> None:
+    """save_pretrained + tokenizer, written to a temp dir then renamed so a crash never leaves half a model."""
+    import shutil
+
+    tmp = path + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    module.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    old = path + ".old"
+    if os.path.exists(path):
+        os.replace(path, old)
+    os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def trainable(module: torch.nn.Module) -> Iterable[tuple[str, torch.nn.Parameter]]:
+    return ((n, p) for n, p in module.named_parameters() if p.requires_grad)

@@ -1,0 +1,199 @@
+"""Evaluation metrics over k sampled responses per prompt: pure functions, no model.
+
+Names follow the field's habits (DESIGN.md §8):
+  acc_avg@k  mean accuracy over the k samples of each prompt, averaged over prompts
+             (DAPO / VAPO report AIME "avg@32" this way);
+  pass@k     unbiased estimate of P(at least one of k samples is correct) from n >= k samples
+             (Chen et al. 2021, "Evaluating Large Language Models Trained on Code", eq. 1);
+  maj@k      the majority-voted final answer of the k samples is correct (self-consistency).
+
+`extract_final_answer` reads a response's final answer the way the math rewards ask for it: the
+content of the last `\\boxed{...}` (balanced braces) or of the last `Answer:` line, whichever comes
+later. `normalize_answer` is deliberately simple (whitespace, `$`, spacing macros, `\\dfrac`,
+thousands separators); it decides only which answers vote together, never correctness, which
+stays with the verifier's per-response verdicts.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+
+_BOX_MACROS = ("\\boxed", "\\fbox")
+_ANSWER_LINE = re.compile(r"(?i)answer\s*:[ \t]*([^\n]*)")
+_NUMBER_WITH_COMMAS = re.compile(r"-?\d{1,3}(,\d{3})+(\.\d+)?")
+_DECIMAL = re.compile(r"-?\d+\.\d+")
+
+
+def _box_at(text: str, start: int) -> tuple[str | None, int]:
+    """Content of the box whose macro starts at `start`, and where the macro starts (for ordering).
+
+    `\\boxed{...}` is read with balanced braces; escaped braces `\\{ \\}` do not count. The
+    brace-less form `\\boxed 5` reads up to whitespace or `$`. An unclosed box gives None.
+    """
+    macro = next(m for m in _BOX_MACROS if text.startswith(m, start))
+    i = start + len(macro)
+    if text.startswith(" ", i) and not text[i:].lstrip(" ").startswith("{"):
+        rest = text[i:].lstrip(" ")
+        token = re.match(r"[^\s$]+", rest)
+        return (token.group(0) if token else None), start
+    while i < len(text) and text[i] == " ":
+        i += 1
+    if i >= len(text) or text[i] != "{":
+        return None, start
+    depth, j = 0, i
+    while j < len(text):
+        ch = text[j]
+        if ch == "\\" and j + 1 < len(text) and text[j + 1] in "{}":
+            j += 2  # an escaped brace is content, not structure
+            continue
+        if ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i + 1 : j], start
+        j += 1
+    return None, start
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last `\\boxed{...}` (or `\\fbox{...}`) in `text`, stripped; None if there is no
+    box or the last one never closes (a truncated response does not fall back to an earlier box)."""
+    starts = [m.start() for m in re.finditer(r"\\(?:boxed|fbox)(?![A-Za-z])", text)]
+    if not starts:
+        return None
+    content, _ = _box_at(text, starts[-1])
+    return content.strip() if content is not None else None
+
+
+def _last_answer_line(text: str) -> tuple[str | None, int]:
+    """Content of the last `Answer:` line (case-insensitive, like DAPO's reward) and its position."""
+    matches = list(_ANSWER_LINE.finditer(text))
+    if not matches:
+        return None, -1
+    last = matches[-1]
+    content = last.group(1).strip()
+    boxed = last_boxed(content)  # "Answer: \boxed{5}" means 5
+    if boxed is not None:
+        content = boxed
+    content = content.strip().strip("$").strip()
+    return (content or None), last.start()
+
+
+def extract_final_answer(text: str) -> str | None:
+    """The response's final answer: the last `\\boxed{}` content (balanced braces) or the last
+    `Answer:` line's content, whichever starts later in the text; None if neither is present."""
+    starts = [m.start() for m in re.finditer(r"\\(?:boxed|fbox)(?![A-Za-z])", text)]
+    box_pos = starts[-1] if starts else -1
+    answer, answer_pos = _last_answer_line(text)
+    if answer_pos > box_pos:
+        return answer
+    if box_pos >= 0:
+        content, _ = _box_at(text, box_pos)
+        return content.strip() if content is not None else None
+    return None
+
+
+def normalize_answer(answer: str) -> str:
+    """A light canonical form for voting: `$5$`, ` 5 .` and `5.0` vote together; `1,000` = `1000`;
+    `\\dfrac{1}{2}` = `\\frac{1}{2}`; `\\text{...}` is unwrapped; all whitespace is removed."""
+    s = answer.strip()
+    s = re.sub(r"\\(?:text|textbf|mathrm)\{([^{}]*)\}", r"\1", s)
+    s = re.sub(r"\\(?:left|right)(?![A-Za-z])", "", s)
+    s = re.sub(r"\\[!,;:]", "", s)
+    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    s = re.sub(r"\s+", "", s).strip("$").rstrip(".")
+    if _NUMBER_WITH_COMMAS.fullmatch(s):
+        s = s.replace(",", "")
+    if _DECIMAL.fullmatch(s):
+        s = s.rstrip("0").rstrip(".")
+    return s
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k).
+
+    Computed as the product 1 - prod_{i=n-c+1}^{n} (1 - k/i) (Chen et al. 2021), which never forms
+    the huge binomials. If fewer than k samples are wrong, every k-subset holds a correct one: 1.
+    """
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    prob_all_wrong = 1.0
+    for i in range(n - c + 1, n + 1):
+        prob_all_wrong *= 1.0 - k / i
+    return 1.0 - prob_all_wrong
+
+
+def acc_avg_at_k(correct: Sequence[bool | float]) -> float:
+    """Mean accuracy over one prompt's k samples (truthy = verified correct)."""
+    if not correct:
+        raise ValueError("acc_avg_at_k needs at least one sample")
+    return sum(1.0 for x in correct if x) / len(correct)
+
+
+def maj_at_k(answers: Sequence[str | None], correct: Sequence[bool | float]) -> float:
+    """1.0 if the majority-voted final answer of one prompt's samples is correct, else 0.0.
+
+    `answers[i]` is sample i's extracted final answer (None = no answer: it does not vote) and
+    `correct[i]` its verifier verdict. Answers vote after `normalize_answer`. Ties between answers
+    with equal votes go to the answer that appears first in sample order (deterministic, and
+    independent of how answers sort as strings). The winning answer counts as correct iff more than
+    half of the samples that gave it were verified correct (they normally all agree; an exact half
+    counts as wrong). No answer at all scores 0.
+    """
+    if len(answers) != len(correct):
+        raise ValueError(f"maj_at_k: {len(answers)} answers but {len(correct)} verdicts")
+    votes: dict[str, list[bool]] = {}  # insertion order = first appearance in sample order
+    for answer, ok in zip(answers, correct):
+        if answer is None:
+            continue
+        votes.setdefault(normalize_answer(answer), []).append(bool(ok))
+    if not votes:
+        return 0.0
+    winner = max(votes.values(), key=len)  # max keeps the first of equal lengths
+    return 1.0 if 2 * sum(winner) > len(winner) else 0.0
+
+
+def summarize(
+    per_prompt: Sequence[Mapping[str, Sequence]], pass_ks: Sequence[int] | None = None
+) -> dict[str, float]:
+    """Evaluation metrics over prompts that each have the same number k of samples.
+
+    Each item of `per_prompt` holds, per sample: `correct` (verifier verdicts, required), and
+    optionally `answers` (extracted final answers; else extracted from `responses`),
+    `responses` (texts), `response_length` (tokens) and `truncated` (hit max_new_tokens).
+
+    Returns `eval/acc`, `eval/acc_avg@{k}`, `eval/pass@{j}` for j in `pass_ks` (default: k),
+    `eval/maj@{k}` (when answers or responses are given), `eval/response_length` and
+    `eval/truncated_frac` (when given), and `eval/prompts`; k is the literal number, e.g. avg@32.
+    """
+    if not per_prompt:
+        raise ValueError("summarize needs at least one prompt")
+    k = len(per_prompt[0]["correct"])
+    if k == 0 or any(len(p["correct"]) != k for p in per_prompt):
+        sizes = sorted({len(p["correct"]) for p in per_prompt})
+        raise ValueError(f"every prompt needs the same number k >= 1 of samples, got sizes {sizes}")
+    ks = list(pass_ks) if pass_ks else [k]
+    if any(not 1 <= j <= k for j in ks):
+        raise ValueError(f"pass_ks={ks} must lie in [1, k={k}]")
+
+    accs = [acc_avg_at_k(p["correct"]) for p in per_prompt]
+    out: dict[str, float] = {"eval/acc": sum(accs) / len(accs), f"eval/acc_avg@{k}": sum(accs) / len(accs)}
+    for j in ks:
+        passes = [pass_at_k(k, sum(1 for x in p["correct"] if x), j) for p in per_prompt]
+        out[f"eval/pass@{j}"] = sum(passes) / len(passes)
+    if all("answers" in p or "responses" in p for p in per_prompt):
+        majs = []
+        for p in per_prompt:
+            answers = p["answers"] if "answers" in p else [extract_final_answer(r) for r in p["responses"]]
+            majs.append(maj_at_k(answers, p["correct"]))
+        out[f"eval/maj@{k}"] = sum(majs) / len(majs)
+    for key, name in (("response_length", "eval/response_length"), ("truncated", "eval/truncated_frac")):
+        if all(key in p for p in per_prompt):
+            values = [float(v) for p in per_prompt for v in p[key]]
+            out[name] = sum(values) / len(values) if values else 0.0
+    out["eval/prompts"] = float(len(per_prompt))
+    return out

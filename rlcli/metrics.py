@@ -1,0 +1,105 @@
+"""Metric sinks (stdout, run_dir/metrics.jsonl, wandb) and stage timers.
+
+Metric names follow the field's habits and are defined once in DESIGN.md §8 / docs/metrics.md:
+`reward/mean`, `acc/mean`, `actor/pg_loss`, `timing_s/rollout`, ...
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+# The few metrics printed on the one-line step summary; everything goes to JSONL and wandb.
+HEADLINE = {
+    "acc/mean": "acc",
+    "reward/mean": "reward",
+    "response_length/mean": "len",
+    "actor/pg_loss": "pg_loss",
+    "actor/entropy": "entropy",
+    "actor/grad_norm": "grad_norm",
+    "timing_s/step": "s/step",
+}
+
+
+class Timer:
+    """Accumulates wall seconds per stage: `with timer("rollout"): ...` -> {"timing_s/rollout": s}."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[stage] += time.perf_counter() - t0
+
+    def metrics(self) -> dict[str, float]:
+        return {f"timing_s/{k}": v for k, v in self.seconds.items()}
+
+
+def peak_mem_gb() -> float:
+    """Peak resident memory of this process (CPU), in GiB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def _clean(metrics: dict[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in metrics.items()}
+
+
+class MetricsLogger:
+    """Writes every metric to run_dir/metrics.jsonl, and to wandb when configured. Rank 0 only."""
+
+    def __init__(self, cfg: Any, run_dir: str, config_dict: dict[str, Any], enabled: bool = True):
+        self.enabled = enabled
+        self.cfg = cfg
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.wandb = None
+        if not enabled:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        self.file = open(self.path, "a", buffering=1)
+        if cfg.name == "wandb":
+            import wandb
+
+            os.environ.setdefault("WANDB_DIR", run_dir)
+            os.environ.setdefault("WANDB_CACHE_DIR", os.path.join(run_dir, "wandb-cache"))
+            self.wandb = wandb.init(
+                project=cfg.project, mode=cfg.mode, dir=run_dir, config=config_dict,
+                name=os.path.basename(run_dir.rstrip("/")),
+            )
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        if not self.enabled:
+            return
+        row = {"step": step, **_clean(metrics)}
+        self.file.write(json.dumps(row) + "\n")
+        if self.wandb is not None:
+            self.wandb.log(row, step=step)
+
+    def headline(self, metrics: dict[str, Any], step: int) -> str:
+        parts = [f"step {step}"]
+        for k, label in HEADLINE.items():
+            if k in metrics and math.isfinite(float(metrics[k])):
+                parts.append(f"{label}={float(metrics[k]):.4g}")
+        return "  ".join(parts)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self.file.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def read_jsonl(path: str) -> list[dict[str, float]]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,96 @@
+"""Loading policies and tokenizers, and the one forward pass that turns a batch into log-probs."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import Tensor
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
+    """A folder whose tokenizer_config names PreTrainedTokenizerFast (our tiny tokenizer) is loaded
+    with that class directly: AutoTokenizer may substitute a model-family tokenizer (DESIGN.md §2)."""
+    import json
+
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    cfg_file = os.path.join(path, "tokenizer_config.json")
+    if os.path.exists(cfg_file):
+        with open(cfg_file) as f:
+            if json.load(f).get("tokenizer_class") == "PreTrainedTokenizerFast":
+                return PreTrainedTokenizerFast.from_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def resolve_model_path(model_cfg: Any, data_cfg: Any) -> tuple[str, str]:
+    """(path, how it was obtained). null path = the embedded tiny model, warm-started and cached."""
+    if model_cfg.path:
+        return model_cfg.path, "from model.path"
+    from rlcli.sft import warm_start
+
+    path = warm_start(*as_objects(model_cfg.tiny, model_cfg.warm_start), **warm_start_data(data_cfg))
+    return path, "embedded tiny model, warm-started by `rlcli sft` (cached)"
+
+
+def as_objects(*nodes: Any) -> list[Any]:
+    """Config nodes as their schema dataclass instances (for code that takes dataclasses)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    return [OmegaConf.to_object(n) if isinstance(n, DictConfig) else n for n in nodes]
+
+
+def warm_start_data(data_cfg: Any) -> dict[str, int]:
+    """The embedded task's difficulty range for the warm-start: the run's when it trains on arith."""
+    if data_cfg.source != "arith":
+        return {}
+    return {"min_digits": data_cfg.min_digits, "max_digits": data_cfg.max_digits}
+
+
+def load_policy(model_cfg: Any, path: str) -> tuple[torch.nn.Module, Any]:
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = dict(
+        dtype=DTYPES[model_cfg.dtype], trust_remote_code=model_cfg.trust_remote_code
+    )
+    if model_cfg.attn_implementation:
+        kwargs["attn_implementation"] = model_cfg.attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    if model_cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    tokenizer = load_tokenizer(model_cfg.tokenizer_path or path, model_cfg.trust_remote_code)
+    return model, tokenizer
+
+
+def response_logprobs(
+    model: torch.nn.Module,
+    prompt_ids: Tensor,  # [n, Tp]
+    prompt_mask: Tensor,  # [n, Tp]
+    response_ids: Tensor,  # [n, T]
+    response_mask: Tensor,  # [n, T]
+    temperature: float,
+    with_entropy: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probs of the response tokens under `model`, logits divided by the sampling temperature.
+
+    Returns (logp [n, T], entropy [n, T] or None). Position ids count only real tokens, so a
+    left-padded prompt sees the same positions as it did during generation.
+    """
+    from rlcli.algos.functional import entropy_from_logits
+
+    device = next(model.parameters()).device
+    input_ids = torch.cat([prompt_ids, response_ids], 1).to(device)  # [n, Tp+T]
+    attn = torch.cat([prompt_mask, response_mask.to(prompt_mask.dtype)], 1).to(device)  # [n, Tp+T]
+    position_ids = (attn.cumsum(-1) - 1).clamp(min=0)  # [n, Tp+T]
+    tp = prompt_ids.shape[1]
+    logits = model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids, use_cache=False).logits
+    logits = logits[:, tp - 1 : -1].float() / temperature  # [n, T, V] predicts response tokens
+    logp = torch.log_softmax(logits, -1).gather(-1, response_ids.to(device).unsqueeze(-1)).squeeze(-1)
+    entropy = entropy_from_logits(logits) if with_entropy else None  # [n, T]
+    return logp, entropy

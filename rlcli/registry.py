@@ -1,0 +1,38 @@
+"""Name -> function registries: the way algorithms plug into the one loop (DESIGN.md §3).
+
+Every kind (advantage estimators, policy losses, aggregations, KL estimators, reward functions,
+reward shapers) is a :class:`Registry`. Adding an algorithm is one decorated function; an unknown
+name fails with the list of valid names so the config error says how to fix itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+
+class Registry(dict[str, Callable[..., Any]]):
+    """A dict of named functions of one kind with a decorator and a helpful lookup error."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+
+    def register(self, name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+            if name in self:
+                raise ValueError(f"{self.kind} {name!r} is registered twice")
+            self[name] = fn
+            return fn
+
+        return deco
+
+    def __missing__(self, name: str) -> Callable[..., Any]:
+        raise KeyError(f"unknown {self.kind} {name!r}; valid names: {', '.join(sorted(self))}")
+
+    def check(self, name: str, key: str) -> None:
+        """Raise a config error naming `key` unless `name` is registered."""
+        if name not in self:
+            raise ValueError(
+                f"{key}={name!r} is not a known {self.kind}; valid names: {', '.join(sorted(self))}"
+            )

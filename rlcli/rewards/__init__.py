@@ -1,0 +1,136 @@
+"""Task rewards (DESIGN.md §5.1 step 1): weighted reward functions, verified in sandboxed workers.
+
+    manager = RewardManager(cfg.reward)          # starts the workers (non-blocking), once per run
+    out = manager(responses, ground_truths)      # out.score [N], out.acc [N], out.parts, out.metrics
+    manager.close()
+
+The formula and the failure rules are in rlcli/rewards/config.py and docs/rewards.md.
+
+This package does not import torch at module level: sandbox workers import it (for the reward
+functions) and must stay small and quick to start; torch is imported when scores are assembled.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from rlcli.rewards.config import RewardConfig, group_base, store_group_schema, validate
+from rlcli.rewards.functions import REWARDS, extract_final_answer
+from rlcli.rewards.pool import SandboxPool, TaskResult
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "REWARDS",
+    "RewardConfig",
+    "RewardManager",
+    "RewardOutput",
+    "SandboxPool",
+    "TaskResult",
+    "extract_final_answer",
+    "group_base",
+    "store_group_schema",
+    "validate",
+]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RewardOutput:
+    """Rewards of N responses, in input order."""
+
+    score: torch.Tensor
+    """[N] float32, the weighted task reward Σ_k w_k · v_k (math_verify mapped to correct/incorrect)."""
+    acc: torch.Tensor
+    """[N] float32 in {0, 1}, math-verify correctness, computed even when math_verify has no weight."""
+    parts: dict[str, torch.Tensor]
+    """Active part name -> [N] float32 raw values (math_verify raw = acc, before the ±1 mapping)."""
+    metrics: dict[str, float]
+    """reward/<part> (mean raw value), reward/timeouts, reward/errors, reward/restarts (this call)."""
+
+
+class RewardManager:
+    """Scores responses against ground truths with the configured reward functions."""
+
+    def __init__(self, cfg: RewardConfig | Any):
+        if not isinstance(cfg, RewardConfig):  # a composed DictConfig
+            from omegaconf import OmegaConf
+
+            cfg = OmegaConf.to_object(cfg)
+        validate(cfg)
+        self.cfg = cfg
+        self.weights = {name: float(w) for name, w in cfg.weights.items()}
+        spec = {
+            "parts": list(self.weights),
+            "custom": dict(cfg.custom),
+            "options": cfg.function_options(),
+            "max_response_chars": cfg.max_response_chars,
+        }
+        self.pool = SandboxPool(
+            "rlcli.rewards.functions.score_item",
+            setup="rlcli.rewards.functions.setup_worker",
+            setup_args=(spec,),
+            num_workers=cfg.num_workers,
+            timeout_s=cfg.timeout_s,
+            memory_mb=cfg.memory_mb,
+        )
+        self._logged: set[str] = set()
+
+    def __call__(self, responses: Sequence[str], ground_truths: Sequence[str]) -> RewardOutput:
+        import torch
+
+        if len(responses) != len(ground_truths):
+            raise ValueError(f"got {len(responses)} responses but {len(ground_truths)} ground truths")
+        restarts = self.pool.restarts
+        results = self.pool.map(list(zip(responses, ground_truths)))
+        n = len(results)
+        acc = [0.0] * n
+        raw = {name: [0.0] * n for name in self.weights}
+        timeouts = errors = 0
+        for i, r in enumerate(results):
+            if r.status == "ok":
+                acc[i] = r.value["acc"]
+                for name in raw:
+                    raw[name][i] = r.value["parts"][name]
+                if r.value["error"]:
+                    errors += 1
+                    self._log_once(r.value["error"])
+            else:  # the whole response failed: acc 0, every part 0 (their floor)
+                timeouts += r.status == "timeout"
+                errors += r.status == "error"
+                self._log_once(f"{r.status}: {r.message}")
+        acc_t = torch.tensor(acc, dtype=torch.float32)  # [N]
+        parts = {name: torch.tensor(v, dtype=torch.float32) for name, v in raw.items()}  # [N] each
+        score = torch.zeros(n, dtype=torch.float32)  # [N]
+        for name, weight in self.weights.items():
+            if name == "math_verify":  # the configured acc mapping (DAPO: ±1)
+                value = self.cfg.incorrect_score + (self.cfg.correct_score - self.cfg.incorrect_score) * acc_t
+            else:
+                value = parts[name]
+            score += weight * value
+        metrics = {f"reward/{name}": (v.mean().item() if n else 0.0) for name, v in parts.items()}
+        metrics["reward/timeouts"] = float(timeouts)
+        metrics["reward/errors"] = float(errors)
+        metrics["reward/restarts"] = float(self.pool.restarts - restarts)
+        return RewardOutput(score=score, acc=acc_t, parts=parts, metrics=metrics)
+
+    def _log_once(self, message: str) -> None:
+        key = message.split(":", 2)[:2]  # status/part and exception type
+        if str(key) not in self._logged:
+            self._logged.add(str(key))
+            log.warning("reward: %s (further failures of this kind are only counted)", message[:300])
+
+    def close(self) -> None:
+        """Stop the sandbox workers (also done at interpreter exit)."""
+        self.pool.close()
+
+    def __enter__(self) -> RewardManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

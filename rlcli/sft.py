@@ -1,0 +1,349 @@
+"""Supervised warm-start of the embedded tiny model, and cheap accuracy probes.
+
+RL needs a policy that is already *partly* right: from random init the tiny model never samples
+a correct `\\boxed{}` answer, so every group has zero reward variance and nothing is learned.
+:func:`warm_start` trains the tiny model briefly on worked arithmetic solutions, so that held-out
+greedy accuracy lands well inside (20%, 70%): competent enough for RL to get signal, far enough from
+the ceiling that an RL run can show a gain within minutes on a CPU. The result is cached on disk,
+keyed by every config value that shapes it, so each RL run after the first starts in a second.
+
+Calibration (2 threads, shared 2-core CPU; `python -m rlcli.sft` reproduces a row): see
+WarmStartConfig's defaults and the table in the module's __main__ block.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase, get_scheduler
+
+from rlcli.data.arith import arith_examples, is_correct
+from rlcli.models.tiny import TOKENIZER_DIR, TinyModelConfig, build_tiny_model, load_tiny_tokenizer
+
+log = logging.getLogger(__name__)
+
+WARM_START_VERSION = 1
+"""Bump when the code behind warm_start changes what it produces: it invalidates every cache."""
+
+
+@dataclass
+class WarmStartConfig:
+    """Supervised warm-start of the tiny model before RL (cached; see rlcli/sft.py)."""
+
+    enabled: bool = True
+    """Train before RL; if false the cached 'checkpoint' is the random initialisation."""
+    steps: int = 120
+    """Optimizer steps of supervised training (calibrated: greedy held-out acc ~45%)."""
+    batch_size: int = 64
+    """Examples per optimizer step."""
+    lr: float = 3e-3
+    """Peak AdamW learning rate (tiny model, short run: high is right)."""
+    warmup: int = 10
+    """Linear warmup steps, then cosine decay to 0."""
+    seed: int = 0
+    """Seed of model init, training order and the sampled-accuracy probe."""
+    eval_size: int = 200
+    """Held-out problems used to measure greedy and sampled accuracy after training."""
+    cache_dir: Optional[str] = None
+    """Cache root; None means $RLCLI_CACHE, else ~/.cache/rlcli. Not part of the cache key."""
+
+
+def _encode_examples(
+    tokenizer: PreTrainedTokenizerBase, examples: list[dict]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded `prompt + solution + </s>` ids, attention mask, and labels (-100 off-response)."""
+    rows = []
+    for ex in examples:
+        prompt = tokenizer(ex["prompt"], add_special_tokens=False)["input_ids"]
+        target = tokenizer(ex["solution"], add_special_tokens=False)["input_ids"]
+        rows.append((prompt, target + [tokenizer.eos_token_id]))
+    width = max(len(p) + len(t) for p, t in rows)
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)  # [B, L]
+    labels = torch.full((len(rows), width), -100, dtype=torch.long)  # [B, L]
+    mask = torch.zeros((len(rows), width), dtype=torch.long)  # [B, L]
+    for i, (p, t) in enumerate(rows):
+        n = len(p) + len(t)
+        ids[i, :n] = torch.tensor(p + t)
+        labels[i, len(p) : n] = torch.tensor(t)
+        mask[i, :n] = 1
+    return ids, mask, labels
+
+
+def sft_train(
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    examples: list[dict],
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+    progress: bool = True,
+    warmup: int = 0,
+    weight_decay: float = 0.0,
+    max_grad_norm: float = 1.0,
+) -> dict[str, Any]:
+    """Cross-entropy on response tokens only (prompt masked, `</s>` appended to each target).
+
+    AdamW, linear warmup then cosine decay to 0, grad-norm clip; epochs over `examples` in an
+    order shuffled by `seed`. Returns {"steps", "loss" (mean of the last 10 steps), "losses",
+    "seconds", "tokens"}.
+    """
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    scheduler = get_scheduler(
+        "cosine", optimizer, num_warmup_steps=warmup, num_training_steps=max(steps, 1)
+    )
+    rng = random.Random(seed)
+    order: list[int] = []
+    losses: list[float] = []
+    tokens = 0
+    start = time.perf_counter()
+    bar = tqdm(range(steps), desc="warm-start sft", disable=not progress, leave=False)
+    for _ in bar:
+        if len(order) < batch_size:
+            order += rng.sample(range(len(examples)), len(examples))
+        batch = [examples[i] for i in order[:batch_size]]
+        del order[:batch_size]
+        ids, mask, labels = _encode_examples(tokenizer, batch)  # [B, L] each
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        tokens += int((labels != -100).sum())
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    model.eval()
+    tail = losses[-10:]
+    return {
+        "steps": steps,
+        "loss": sum(tail) / len(tail) if tail else math.nan,
+        "losses": losses,
+        "seconds": time.perf_counter() - start,
+        "tokens": tokens,
+    }
+
+
+@torch.inference_mode()
+def _generate_accuracy(
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    examples: list[dict],
+    max_new_tokens: int,
+    batch_size: int,
+    sample_kwargs: dict[str, Any],
+) -> float:
+    was_training = model.training
+    model.eval()
+    correct = 0
+    for i in range(0, len(examples), batch_size):
+        chunk = examples[i : i + batch_size]
+        enc = tokenizer(
+            [ex["prompt"] for ex in chunk],
+            add_special_tokens=False,
+            padding=True,
+            padding_side="left",
+            return_tensors="pt",
+        )
+        out = model.generate(
+            **enc,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            use_cache=True,
+            **sample_kwargs,
+        )  # [B, prompt_len + <=max_new_tokens]
+        texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+        correct += sum(is_correct(text, ex["answer"]) for text, ex in zip(texts, chunk))
+    model.train(was_training)
+    return correct / max(len(examples), 1)
+
+
+def greedy_accuracy(
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    examples: list[dict],
+    max_new_tokens: int,
+    batch_size: int = 64,
+) -> float:
+    """Share of `examples` whose greedy response boxes exactly `answer` (HF generate, KV cache)."""
+    return _generate_accuracy(
+        model, tokenizer, examples, max_new_tokens, batch_size, {"do_sample": False}
+    )
+
+
+def sampled_accuracy(
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    examples: list[dict],
+    max_new_tokens: int,
+    batch_size: int = 64,
+    temperature: float = 1.0,
+    seed: int = 0,
+) -> float:
+    """Like greedy_accuracy with one pure sample per problem (no top-k/top-p), as RL rolls out."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return _generate_accuracy(
+            model,
+            tokenizer,
+            examples,
+            max_new_tokens,
+            batch_size,
+            {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0},
+        )
+
+
+def max_response_tokens(tokenizer: PreTrainedTokenizerBase, examples: list[dict]) -> int:
+    """Longest target response in `examples`, in tokens, counting the closing `</s>`."""
+    return 1 + max(
+        len(tokenizer(ex["solution"], add_special_tokens=False)["input_ids"]) for ex in examples
+    )
+
+
+def cache_root(ws_cfg: WarmStartConfig) -> Path:
+    """Where warm-start checkpoints live: cache_dir, else $RLCLI_CACHE, else ~/.cache/rlcli."""
+    root = ws_cfg.cache_dir or os.environ.get("RLCLI_CACHE") or "~/.cache/rlcli"
+    return Path(root).expanduser() / "warm_start"
+
+
+def warm_start_key(
+    tiny_cfg: TinyModelConfig, ws_cfg: WarmStartConfig, data_kwargs: dict[str, Any]
+) -> str:
+    """Hash of everything that shapes the warm-started model (cache_dir excluded)."""
+    ws = {k: v for k, v in asdict(ws_cfg).items() if k != "cache_dir"}
+    tokenizer_hash = hashlib.sha256((TOKENIZER_DIR / "tokenizer.json").read_bytes()).hexdigest()
+    blob = json.dumps(
+        {
+            "version": WARM_START_VERSION,
+            "tiny": asdict(tiny_cfg),
+            "warm_start": ws,
+            "data": data_kwargs,
+            "tokenizer": tokenizer_hash,
+        },
+        sort_keys=True,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def warm_start(
+    tiny_cfg: TinyModelConfig,
+    ws_cfg: WarmStartConfig,
+    progress: bool = True,
+    **data_kwargs: Any,
+) -> str:
+    """Directory of the warm-started tiny model + tokenizer (trained once, then cached).
+
+    `data_kwargs` go to `arith_examples` (min_digits, max_digits, ops). The directory loads with
+    `AutoModelForCausalLM.from_pretrained` and `PreTrainedTokenizerFast.from_pretrained`, and holds
+    `warm_start.json` with the measured accuracies and times. Training happens in a temp dir that
+    is renamed into place at the end, so a crash never leaves a half-written cache entry.
+    """
+    root = cache_root(ws_cfg)
+    key = warm_start_key(tiny_cfg, ws_cfg, data_kwargs)
+    final = root / key
+    if (final / "warm_start.json").exists():
+        log.info("warm start: cache hit %s", final)
+        return str(final)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=root))
+    try:
+        start = time.perf_counter()
+        tokenizer = load_tiny_tokenizer()
+        model = build_tiny_model(tiny_cfg, tokenizer, seed=ws_cfg.seed)
+        train = arith_examples("train", ws_cfg.steps * ws_cfg.batch_size, ws_cfg.seed, **data_kwargs)
+        evals = arith_examples("eval", ws_cfg.eval_size, ws_cfg.seed, **data_kwargs)
+        stats: dict[str, Any] = {"steps": 0, "loss": None, "seconds": 0.0}
+        if ws_cfg.enabled and ws_cfg.steps > 0:
+            stats = sft_train(
+                model,
+                tokenizer,
+                train,
+                ws_cfg.steps,
+                ws_cfg.batch_size,
+                ws_cfg.lr,
+                ws_cfg.seed,
+                progress=progress,
+                warmup=ws_cfg.warmup,
+            )
+        eval_start = time.perf_counter()
+        max_new = max_response_tokens(tokenizer, evals) + 8
+        greedy = greedy_accuracy(model, tokenizer, evals, max_new)
+        sampled = sampled_accuracy(model, tokenizer, evals, max_new, seed=ws_cfg.seed)
+        report = {
+            "key": key,
+            "greedy_acc": greedy,
+            "sampled_acc": sampled,
+            "eval_size": len(evals),
+            "train_steps": stats["steps"],
+            "train_loss": stats["loss"],
+            "train_seconds": round(stats["seconds"], 2),
+            "eval_seconds": round(time.perf_counter() - eval_start, 2),
+            "wall_seconds": round(time.perf_counter() - start, 2),
+            "torch_threads": torch.get_num_threads(),
+            "tiny": asdict(tiny_cfg),
+            "warm_start": {k: v for k, v in asdict(ws_cfg).items() if k != "cache_dir"},
+            "data": data_kwargs,
+            "version": WARM_START_VERSION,
+        }
+        model.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        # Written last: its presence marks a complete entry.
+        (tmp / "warm_start.json").write_text(json.dumps(report, indent=2) + "\n")
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / "warm_start.json").exists():
+                raise
+            shutil.rmtree(tmp)  # a concurrent run finished first; its entry is equivalent
+        log.info(
+            "warm start: %s greedy %.1f%% sampled %.1f%% in %.0fs",
+            final,
+            100 * greedy,
+            100 * sampled,
+            report["wall_seconds"],
+        )
+        return str(final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="Run (or fetch from cache) one tiny warm start.")
+    parser.add_argument("--steps", type=int, default=WarmStartConfig.steps)
+    parser.add_argument("--batch-size", type=int, default=WarmStartConfig.batch_size)
+    parser.add_argument("--lr", type=float, default=WarmStartConfig.lr)
+    parser.add_argument("--seed", type=int, default=WarmStartConfig.seed)
+    parser.add_argument("--min-digits", type=int, default=1)
+    parser.add_argument("--max-digits", type=int, default=3)
+    parser.add_argument("--ops", default="+")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--cache-dir", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    logging.basicConfig(level=logging.INFO)
+    ws = WarmStartConfig(
+        steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+        cache_dir=args.cache_dir,
+    )
+    path = warm_start(
+        TinyModelConfig(), ws, min_digits=args.min_digits, max_digits=args.max_digits, ops=args.ops
+    )
+    print(path)
+    print((Path(path) / "warm_start.json").read_text())

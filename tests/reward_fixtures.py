@@ -1,0 +1,52 @@
+"""User reward functions for tests/test_rewards.py, imported by dotted path inside sandbox workers."""
+
+import contextlib
+import os
+import signal
+import time
+
+
+def count_sevens(response: str, ground_truth: str) -> float:
+    """A well-behaved user reward: how many '7' characters the response has."""
+    return float(response.count("7"))
+
+
+def explodes(response: str, ground_truth: str) -> float:
+    """A user reward that raises on some inputs."""
+    if "boom" in response:
+        raise RuntimeError("boom")
+    return 1.0
+
+
+def returns_nan(response: str, ground_truth: str) -> float:
+    return float("nan")
+
+
+def swallows_timeouts(response: str, ground_truth: str) -> float:
+    """A badly written user reward that never returns on 'hang': its bare except eats the worker's
+    soft timeout, like C code that never yields to Python, so only a kill stops it."""
+    while "hang" in response:
+        with contextlib.suppress(BaseException):
+            time.sleep(60)
+    return 0.5
+
+
+def slow(response: str, ground_truth: str) -> float:
+    """Takes 1 s on 'slow' (long enough to be killed from outside mid-item), then returns 1."""
+    if "slow" in response:
+        time.sleep(1.0)
+    return 1.0
+
+
+def kills_its_worker(response: str, ground_truth: str) -> float:
+    """A poisonous input: the worker dies on it (as on a segfault), every time."""
+    if "die" in response:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return 1.0
+
+
+def hogs_memory(response: str, ground_truth: str) -> float:
+    """Allocates 1 GiB on 'hog': beyond a 512 MiB worker cap, so it must fail, not swap the host."""
+    if "hog" in response:
+        return float(len(bytearray(1 << 30)))
+    return 1.0
