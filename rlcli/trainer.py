@@ -49,6 +49,9 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+COUNTS = ("timeouts", "errors", "restarts")  # reward metrics that are counts: summed, not averaged
+
+
 class DynamicSamplingExhausted(RuntimeError):
     pass
 
@@ -196,7 +199,7 @@ class Trainer:
                 b.scores, b.acc = out.score.clone(), out.acc
                 b.extras = {f"reward/{k}": v for k, v in out.parts.items()}
                 for k, v in out.metrics.items():
-                    if k.startswith("reward/") and not k.endswith(("timeouts", "errors")):
+                    if k.startswith("reward/") and not k.endswith(COUNTS):
                         continue  # part means are recomputed below over the kept batch
                     shaped[k].append(v)
             with timer("shape"):
@@ -219,7 +222,7 @@ class Trainer:
             self.carry = surplus
             batch = batch.select_groups(groups[: self.p_local])
         for k, v in shaped.items():
-            metrics[k] = float(np.sum(v) if k.endswith(("timeouts", "errors")) else np.mean(v))
+            metrics[k] = float(np.sum(v) if k.endswith(COUNTS) else np.mean(v))
         for k, v in batch.extras.items():
             metrics[f"{k}"] = v.float().mean().item()
         lengths = batch.lengths.float()
@@ -300,12 +303,18 @@ class Trainer:
                 mb = batch.select_groups(mb_groups)
                 norms = self.normalizers(mb)
                 micro = list(self.micro_batches(mb, torch.arange(len(mb))))
+                mb_sums: dict[str, float] = defaultdict(float)
                 for i, idx in enumerate(micro):
                     loss, m = self.micro_loss(mb.select(idx), norms)
                     self.actor.backward(loss, last=i == len(micro) - 1)
                     for k, v in m.items():
-                        sums[k] += v
+                        mb_sums[k] += v
                 res = self.actor.step()
+                # Micro-batch metrics are shares of mini-batch means: they add up over ranks too.
+                keys = sorted(mb_sums)
+                totals = eng.all_reduce_sum(torch.tensor([mb_sums[k] for k in keys], dtype=torch.float64))
+                for k, v in zip(keys, totals.tolist()):
+                    sums[k] += v
                 sums["actor/grad_norm"] += res.grad_norm if math.isfinite(res.grad_norm) else 0.0
                 sums["actor/skipped_steps"] += 0.0 if res.applied else 1.0
                 n_updates += 1

@@ -57,6 +57,7 @@ def assert_healthy(manager: RewardManager) -> None:
         ("\\boxed{\\{1, 2\\}}", "\\{1, 2\\}"),  # escaped braces are not groups
         ("work\nAnswer: 42\n", "42"),
         ("work\n**Answer:** $7$.", "$7$"),  # markdown and a full stop around a DAPO line
+        ("work\n**Answer**: 7", "7"),
         ("Answer: 1\nlater \\boxed{2}", "2"),  # the later of the two forms wins
         ("\\boxed{2}\nAnswer: 1", "1"),
         ("Answer: \\boxed{5}", "5"),

@@ -6,8 +6,9 @@
 
 The formula and the failure rules are in rlcli/rewards/config.py and docs/rewards.md.
 
-This package does not import torch at module level: sandbox workers import it (for the reward
-functions) and must stay small and quick to start; torch is imported when scores are assembled.
+This package does not import torch at module level: every sandbox worker imports this package (for
+the reward functions) and must stay small and quick to start. torch is imported where the score
+tensors are built.
 """
 
 from __future__ import annotations

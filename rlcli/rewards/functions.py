@@ -40,7 +40,9 @@ REWARDS = Registry("reward function")
 MAX_BRACE_DEPTH = 64
 
 _BOXED = "\\boxed{"
-_ANSWER_LINE = re.compile(r"^[ \t]*(?:\*\*)?answer[ \t]*:(?:\*\*)?(.*)$", re.IGNORECASE | re.MULTILINE)
+_ANSWER_LINE = re.compile(
+    r"^[ \t]*(?:\*\*)?answer(?:\*\*)?[ \t]*:(?:\*\*)?(.*)$", re.IGNORECASE | re.MULTILINE
+)
 _BRACE_TOKEN = re.compile(r"\\.|[{}]", re.DOTALL)  # an escaped char (\{, \}, \\) or a brace
 _UNESCAPED_DOLLAR = re.compile(r"(?<!\\)\$")
 
@@ -125,8 +127,8 @@ def _parse_math(text: str) -> list[Any]:
 
     if "\\boxed" not in text and not _UNESCAPED_DOLLAR.search(text):
         text = f"${text}$"
-    # parsing_timeout=None: math-verify's own timeout is signal.alarm, which the worker already uses
-    # for its soft timeout; the pool enforces the wall-clock limit (pool.py).
+    # parsing_timeout=None: math-verify's own timeout is signal.alarm; its alarm(0) would cancel the
+    # worker's soft-timeout timer (measured: \boxed{9^{9^{9^{9}}}} then hung > 30 s). pool.py times us.
     return parse(text, parsing_timeout=None)
 
 

@@ -1,0 +1,175 @@
+"""End-to-end: the real CLI, real DeepSpeed engine, real math-verify workers, tiny model on CPU.
+
+The policy is the tiny model at random init (no warm-start, to keep the suite fast) and the reward
+adds a user function (count of '7' characters) so every group has reward variance and the policy
+gradient is not zero from step 1.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT
+from omegaconf import OmegaConf
+
+pytestmark = pytest.mark.slow
+
+FAST = [
+    "model.warm_start.enabled=false",
+    "rollout.prompts_per_step=4",
+    "rollout.n=4",
+    "rollout.max_new_tokens=24",
+    "data.eval_size=8",
+    "+reward.weights.sevens=1.0",
+    "+reward.custom.sevens=reward_fixtures.count_sevens",
+    "optim.lr=1e-3",
+]
+
+
+def env(tmp_path):
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),
+        "RLCLI_CACHE": str(tmp_path / "cache"),
+        "OMP_NUM_THREADS": "1",
+    }
+
+
+def rlcli(tmp_path, *args, timeout=600):
+    out = subprocess.run(
+        [sys.executable, "-m", "rlcli.cli", *args], cwd=tmp_path, capture_output=True, text=True,
+        timeout=timeout, env=env(tmp_path),
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_step_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("train")
+    run = tmp / "run"
+    out = rlcli(tmp, "train", "steps=2", "logger=wandb", f"hydra.run.dir={run}", *FAST)
+    return tmp, run, out
+
+
+def test_two_steps_change_every_parameter_and_log_finite_metrics(two_step_run):
+    tmp, run, out = two_step_run
+    from transformers import AutoModelForCausalLM
+
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "actor/pg_loss" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        for k in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "reward/mean", "acc/mean",
+                  "response_length/mean", "timing_s/rollout", "timing_s/update", "adv/std"):
+            assert k in r and r[k] == r[k] and abs(r[k]) != float("inf"), (k, r)
+        assert r["actor/grad_norm"] > 0 and r["actor/skipped_steps"] == 0
+        assert r["reward/sevens"] >= 0
+    # Every parameter tensor moved away from the initial (cached random-init) weights.
+    init_dir = next((tmp / "cache" / "warm_start").iterdir())
+    before = AutoModelForCausalLM.from_pretrained(init_dir)
+    after = AutoModelForCausalLM.from_pretrained(run / "policy")
+    b, a = dict(before.named_parameters()), dict(after.named_parameters())
+    assert b.keys() == a.keys()
+    unchanged = [n for n in b if torch.equal(b[n], a[n])]
+    assert not unchanged, unchanged
+    # The start-up summary states the units and what was loaded.
+    for text in ("trajectories N=P*G   16", "reference model=yes", "old-logprob pass     skipped (on-policy)"):
+        assert text in out.stdout
+
+
+def test_run_dir_holds_resolved_config_and_wandb_offline_files(two_step_run):
+    _, run, _ = two_step_run
+    cfg = OmegaConf.load(run / "config.yaml")
+    assert cfg.run_dir == str(run) and cfg.steps == 2 and cfg.reward.weights.sevens == 1.0
+    assert list((run / "wandb").glob("offline-run-*")), "wandb offline run directory missing"
+    result = json.loads((run / "result.json").read_text())
+    assert 0.0 <= result["eval_after"]["eval/acc"] <= 1.0
+
+
+def test_saved_policy_reloads_and_generates(two_step_run):
+    _, run, _ = two_step_run
+    from transformers import AutoModelForCausalLM
+
+    from rlcli.models import load_tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(run / "policy")
+    tok = load_tokenizer(str(run / "policy"))
+    ids = tok("Q: 12+7=?\nA:", return_tensors="pt", add_special_tokens=False)
+    out = model.generate(**ids, max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert out.shape[1] > ids["input_ids"].shape[1]
+    assert isinstance(tok.decode(out[0]), str)
+
+
+def test_multirun_makes_one_run_per_seed(tmp_path):
+    sweep = tmp_path / "sweep"
+    rlcli(tmp_path, "train", "-m", "seed=1,2", "steps=1", "eval.before=false", "save=false",
+          f"hydra.sweep.dir={sweep}", *FAST)
+    runs = sorted(p for p in sweep.iterdir() if (p / "config.yaml").exists())
+    assert len(runs) == 2
+    assert sorted(OmegaConf.load(p / "config.yaml").seed for p in runs) == [1, 2]
+    assert all((p / "metrics.jsonl").exists() for p in runs)
+
+
+def test_cpu_x2_is_launched_by_rlcli_train(tmp_path):
+    run = tmp_path / "run"
+    out = rlcli(tmp_path, "train", "hw=cpu_x2", "steps=1", "save=false", "hw.master_port=29611",
+                f"hydra.run.dir={run}", *FAST)
+    assert "world size 2" in out.stdout + out.stderr
+    assert "launching:" in out.stdout
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert any("actor/pg_loss" in r for r in rows)
+
+
+def one_update(tmp_path, name, nproc, extra=()):
+    """The trainer's update on one fixed batch, in `nproc` processes; returns metrics and gradients."""
+    from hydra import compose, initialize_config_dir
+
+    from conftest import CONF
+    from rlcli.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        cfg = compose("config", overrides=[*FAST, f"hw.nproc={nproc}", "hw.master_port=29622", *extra])
+    cfg.run_dir = str(tmp_path / name)
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    frozen = tmp_path / f"{name}.yaml"
+    OmegaConf.save(cfg, frozen, resolve=True)
+    script = str(ROOT / "tests" / "helpers" / "one_update.py")
+    cmd = [sys.executable, script] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port=29622", script]
+    out = subprocess.run([*cmd, str(frozen), str(tmp_path / f"{name}.pt")], capture_output=True, text=True,
+                         timeout=600, env=env(tmp_path), cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    return torch.load(tmp_path / f"{name}.pt")
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean"])
+def test_two_processes_and_micro_batches_give_the_same_step(tmp_path, agg):
+    """Same batch: 1 process with one micro-batch, 1 process with micro-batches of 3, and 2 processes
+    must give the same step-1 loss and the same gradient (all-reduced, accumulated, before clipping).
+
+    Parameters are not compared: Adam's first step is lr·g/(|g|+eps), which turns rounding noise in
+    near-zero gradient entries into differences of order lr·1e-2. Tolerances: 1e-5 relative on
+    metrics, and on gradients 1e-5 of each tensor's largest entry, cover float32 summation
+    order (gloo all-reduce, accumulation over backward calls); a per-micro-batch or per-rank
+    normalizer would be off by a factor of 2 or more. With seq_mean_token_mean the step-1 GRPO loss
+    is a sum of group-centred advantages, zero up to rounding, hence the absolute 1e-7.
+    """
+    extra = [f"algo.loss_agg={agg}"]
+    base = one_update(tmp_path, "one", 1, extra)
+    micro = one_update(tmp_path, "micro", 1, [*extra, "hw.micro_batch=3"])
+    dist = one_update(tmp_path, "two", 2, extra)
+    assert base["metrics"]["actor/grad_norm"] > 0
+    if agg == "token_mean":
+        assert abs(base["metrics"]["actor/pg_loss"]) > 1e-4  # a loss worth comparing
+    for other in (micro, dist):
+        for k in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"):
+            assert other["metrics"][k] == pytest.approx(base["metrics"][k], rel=1e-5, abs=1e-7), k
+        assert other["grads"].keys() == base["grads"].keys() and len(base["grads"]) > 10
+        for n, g in base["grads"].items():
+            scale = g.abs().max().item()
+            assert (other["grads"][n] - g).abs().max().item() <= 1e-5 * scale + 1e-12, n
