@@ -88,16 +88,23 @@ class RolloutBatch:
         out = {}
         for f in fields(RolloutBatch):
             vals = [getattr(p, f.name) for p in parts]
-            if any(v is None for v in vals):
+            if all(v is None for v in vals):
                 out[f.name] = None
-            elif isinstance(vals[0], list):
+                continue
+            if any(v is None for v in vals):  # e.g. old_logp on carried rows only: zeros elsewhere
+                like = next(v for v in vals if v is not None)
+                vals = [
+                    v if v is not None
+                    else like.new_zeros((len(p), p.response_ids.shape[1]) if like.dim() == 2 else (len(p),))
+                    for v, p in zip(vals, parts)
+                ]
+            if isinstance(vals[0], list):
                 out[f.name] = [x for v in vals for x in v]
             elif isinstance(vals[0], dict):
                 out[f.name] = {k: torch.cat([v[k] for v in vals]) for k in vals[0]}
             elif vals[0].dim() == 2:
                 left = f.name.startswith("prompt")
-                pad_val = 0.0
-                out[f.name] = torch.cat([_pad_to(v, tp if left else t, pad_val, left) for v in vals])
+                out[f.name] = torch.cat([_pad_to(v, tp if left else t, 0, left) for v in vals])
             else:
                 out[f.name] = torch.cat(vals)
         return RolloutBatch(**out)

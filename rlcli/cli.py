@@ -18,6 +18,8 @@ COMMANDS = {
     "train": "RL training: rollout -> reward -> shaping -> scoring -> advantage -> update.",
     "sft": "Supervised warm-start of the embedded tiny model on the embedded task (cached).",
     "explain": "Print every config key with its type, default and meaning (optionally one group).",
+    "ladder": "Run a paper's ablation ladder (recipes/<paper>/) over seeds; table + figure (--help).",
+    "plot": "Training-curve figure of run or sweep directories (--help).",
 }
 
 
@@ -124,6 +126,13 @@ def main(argv: list[str] | None = None) -> None:
         from rlcli.schema_doc import explain
 
         print(explain(rest[0] if rest else None, CONF_DIR))
+        return
+    if command in ("ladder", "plot"):  # own argparse flags; they launch or read `train` runs
+        from rlcli import ladder, plot
+
+        code = {"ladder": ladder.main, "plot": plot.main}[command](rest)
+        if code:
+            raise SystemExit(code)
         return
     if command not in JOBS:
         raise SystemExit(f"unknown command {command!r}\n\n{_usage()}")

@@ -58,8 +58,10 @@ class RolloutConfig:
     """G: responses sampled per prompt (the group)."""
     gen_prompts_per_step: int | None = None
     """Prompts per generation batch when dynamic sampling refills (DAPO); null = prompts_per_step."""
-    max_new_tokens: int = 96
+    max_new_tokens: int = 48
     """L_max: response budget in tokens; a response that reaches it without EOS is `truncated`."""
+    overlong_buffer_len: int = 8
+    """L_c: the soft overlong punishment buffer at the end of the budget, in tokens (DAPO: 4096 of 20480)."""
     temperature: float = 1.0
     """Sampling temperature; log-probs for the loss use logits divided by it (DESIGN.md §5)."""
     top_p: float = 1.0
@@ -143,6 +145,22 @@ class EvalConfig:
 
 
 @dataclass
+class LadderConfig:
+    """Metadata of a paper-ladder rung (set by recipes/<paper>/NN_*.yaml; empty for plain runs)."""
+
+    paper: str | None = None
+    """Which ladder this rung belongs to (dapo | vapo)."""
+    rung: str | None = None
+    """The paper's row name, e.g. "+ clip-higher"."""
+    index: int | None = None
+    """Position in the ladder (0 = the baseline)."""
+    paper_score: float | None = None
+    """The paper's number for this row (DAPO/VAPO Table 1: AIME24 avg@32)."""
+    changes: list[str] = field(default_factory=list)
+    """Config keys this rung changes relative to the previous rung (checked by tests)."""
+
+
+@dataclass
 class Config:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     """The algorithm: estimator, loss, aggregation, KL, shaping (conf/algo/)."""
@@ -162,6 +180,8 @@ class Config:
     """Optimizer and LR schedule."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Held-out evaluation."""
+    ladder: LadderConfig = field(default_factory=LadderConfig)
+    """Ladder-rung metadata, set by recipes only."""
     seed: int = 0
     """Global seed (data order, sampling, initialisation)."""
     steps: int = 60
@@ -206,6 +226,11 @@ def validate(cfg: DictConfig | Any) -> None:
     ):
         if value < low:
             raise ValueError(f"{key}={value} must be >= {low}")
+    if not 0 < r.overlong_buffer_len <= r.max_new_tokens:
+        raise ValueError(
+            f"rollout.overlong_buffer_len={r.overlong_buffer_len} must be in (0, rollout.max_new_tokens="
+            f"{r.max_new_tokens}]"
+        )
     if r.temperature <= 0:
         raise ValueError(f"rollout.temperature={r.temperature} must be > 0 for RL sampling")
     if hw.precision not in ("fp32", "bf16"):

@@ -203,7 +203,7 @@ class Trainer:
                         continue  # part means are recomputed below over the kept batch
                     shaped[k].append(v)
             with timer("shape"):
-                for k, v in shape(b, a, r.max_new_tokens).items():
+                for k, v in shape(b, a, r).items():
                     shaped[k].append(v)
             pool_acc += b.acc.sum().item()
             pool_rewards.append(b.scores)
@@ -406,7 +406,8 @@ class Trainer:
             f"  algorithm      {a.name}: advantage={a.adv_estimator} loss={a.policy_loss} "
             f"clip=({a.clip_low}, {a.clip_high}) agg={a.loss_agg} kl_coef={a.kl_coef}"
             f"{' (in reward)' if a.kl_in_reward else ''} reference model={'yes' if self.ref is not None else 'no'}",
-            f"  shaping        overlong_filter={a.overlong_filter} soft_overlong buffer={a.overlong_buffer_len} "
+            f"  shaping        overlong_filter={a.overlong_filter} soft_overlong={a.soft_overlong} "
+            f"(buffer {r.overlong_buffer_len} of {r.max_new_tokens} tokens) "
             f"dynamic_sampling={a.dynamic_sampling}",
             f"  reward         {dict(cfg.reward.weights)}",
             "  batch units per step",

@@ -50,3 +50,8 @@ def hogs_memory(response: str, ground_truth: str) -> float:
     if "hog" in response:
         return float(len(bytearray(1 << 30)))
     return 1.0
+
+
+def even_answer(response: str, ground_truth: str) -> float:
+    """A scripted reward that ignores the response: every group has zero variance."""
+    return float(int(ground_truth) % 2 == 0)

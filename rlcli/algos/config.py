@@ -78,8 +78,8 @@ class AlgoConfig:
     # --- reward shaping and sampling (DAPO, DESIGN.md §5.1) ------------------------------------
     overlong_filter: bool = False
     """DAPO overlong filtering: truncated responses get no loss (mask 0) but keep their reward."""
-    overlong_buffer_len: int = 0
-    """L_c: DAPO soft overlong punishment buffer in tokens (paper: 4096 of 20480); 0 = off."""
+    soft_overlong: bool = False
+    """DAPO soft overlong punishment: a linear penalty in the last rollout.overlong_buffer_len tokens."""
     overlong_penalty_factor: float = 1.0
     """Scale of the soft overlong punishment added to the task reward."""
     dynamic_sampling: bool = False
@@ -161,7 +161,6 @@ def validate(cfg: Any) -> None:
     need(cfg.kl_horizon >= 1, "kl_horizon", ">= 1")
     need(cfg.entropy_coef >= 0.0, "entropy_coef", ">= 0")
     need(cfg.nll_coef >= 0.0, "nll_coef", ">= 0")
-    need(cfg.overlong_buffer_len >= 0, "overlong_buffer_len", ">= 0 (0 = soft punishment off)")
     need(cfg.overlong_penalty_factor >= 0.0, "overlong_penalty_factor", ">= 0")
     need(cfg.max_gen_batches >= 1, "max_gen_batches", ">= 1")
     need(bool(cfg.filter_metric), "filter_metric", "a metric name such as acc")

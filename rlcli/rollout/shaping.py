@@ -1,6 +1,6 @@
 """Reward shapers (DESIGN.md §5.1), applied in registration order after the task reward.
 
-One signature: `fn(batch, algo_cfg, max_new_tokens) -> metrics`; each reads its own switch and
+One signature: `fn(batch, algo_cfg, rollout_cfg) -> metrics`; each reads its own switch and
 edits `batch.scores` or `batch.loss_mask` in place. Dynamic sampling, the third DAPO shaping step,
 is a filter over whole groups and lives in the trainer's collect stage.
 """
@@ -17,19 +17,19 @@ SHAPERS = Registry("reward shaper")
 
 
 @SHAPERS.register("soft_overlong_punishment")
-def soft_overlong(batch: RolloutBatch, algo: Any, max_new_tokens: int) -> dict[str, float]:
-    """DAPO Eq. 13: a linear penalty inside the last `overlong_buffer_len` tokens of the budget."""
-    if algo.overlong_buffer_len <= 0:
+def soft_overlong(batch: RolloutBatch, algo: Any, rollout: Any) -> dict[str, float]:
+    """DAPO Eq. 13: a linear penalty inside the last `rollout.overlong_buffer_len` tokens."""
+    if not algo.soft_overlong:
         return {}
     pen = soft_overlong_penalty(
-        batch.lengths.float(), max_new_tokens, algo.overlong_buffer_len, algo.overlong_penalty_factor
+        batch.lengths.float(), rollout.max_new_tokens, rollout.overlong_buffer_len, algo.overlong_penalty_factor
     )  # [N]
     batch.scores = batch.scores + pen
     return {"overlong/penalty_mean": pen.mean().item()}
 
 
 @SHAPERS.register("overlong_filter")
-def overlong_filter(batch: RolloutBatch, algo: Any, max_new_tokens: int) -> dict[str, float]:
+def overlong_filter(batch: RolloutBatch, algo: Any, rollout: Any) -> dict[str, float]:
     """DAPO §3.4: truncated responses keep their reward but are masked out of the loss."""
     batch.loss_mask = batch.response_mask.clone()
     if algo.overlong_filter:
@@ -37,8 +37,8 @@ def overlong_filter(batch: RolloutBatch, algo: Any, max_new_tokens: int) -> dict
     return {"overlong/truncated_frac": batch.truncated.float().mean().item()}
 
 
-def shape(batch: RolloutBatch, algo: Any, max_new_tokens: int) -> dict[str, float]:
+def shape(batch: RolloutBatch, algo: Any, rollout: Any) -> dict[str, float]:
     metrics: dict[str, float] = {}
     for fn in SHAPERS.values():
-        metrics.update(fn(batch, algo, max_new_tokens))
+        metrics.update(fn(batch, algo, rollout))
     return metrics

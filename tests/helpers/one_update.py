@@ -25,7 +25,7 @@ def main() -> None:
                  r.n, r.max_new_tokens, r.temperature)
     out = t.rewards(b.texts, b.answers)
     b.scores, b.acc = out.score.clone(), out.acc
-    shape(b, cfg.algo, r.max_new_tokens)
+    shape(b, cfg.algo, r)
     b.stale = torch.zeros(len(b), dtype=torch.bool)
     b = b.select_groups(b.groups[t.rank :: t.world])  # this rank's share of whole groups
     t.score(b)

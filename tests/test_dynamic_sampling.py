@@ -1,0 +1,131 @@
+"""DAPO dynamic sampling in the real trainer (tiny random-init model, real reward workers).
+
+Scripted user rewards make it deterministic: `even_answer` ignores the response (every group has
+zero variance), and `count_sevens` on a random-init model gives a seeded mix. Seed 5 was found by
+scanning seeds 0-11 (`python` loop over Trainer.collect, 2026-11-22): its first generation batch of
+3 groups keeps fewer than P=2, the refill overshoots, and one informative group is carried.
+"""
+
+import pytest
+import torch
+from conftest import CONF
+from hydra import compose, initialize_config_dir
+
+from rlcli.config import register_configs
+from rlcli.metrics import Timer
+from rlcli.models import response_logprobs
+from rlcli.trainer import DynamicSamplingExhausted, Trainer
+
+pytestmark = pytest.mark.slow
+register_configs()
+
+
+def trainer(tmp_path, monkeypatch, reward, *extra):
+    monkeypatch.setenv("RLCLI_CACHE", str(tmp_path / "cache"))
+    overrides = [
+        "model.warm_start.enabled=false", "rollout.prompts_per_step=2", "rollout.gen_prompts_per_step=3",
+        "rollout.n=4", "rollout.max_new_tokens=16", "data.eval_size=4", "~reward.weights.math_verify",
+        "+reward.weights.scripted=1.0", f"+reward.custom.scripted=reward_fixtures.{reward}",
+        "algo.dynamic_sampling=true", "algo.filter_metric=score", "algo.max_gen_batches=4", "hw.num_threads=1",
+        *extra,
+    ]
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        cfg = compose("config", overrides=overrides)
+    cfg.run_dir = str(tmp_path / "run")
+    return Trainer(cfg)
+
+
+def group_has_variance(batch, g):
+    s = batch.scores[batch.group_index == g]
+    return bool((s.max() - s.min()) > 0)
+
+
+def test_keeps_informative_groups_refills_and_carries_the_surplus(tmp_path, monkeypatch):
+    t = trainer(tmp_path, monkeypatch, "count_sevens", "seed=5")
+    try:
+        metrics = {}
+        batch = t.collect(Timer(), metrics)
+        # Exactly P groups, each informative, found over a refill.
+        assert len(batch.groups) == 2 and len(batch) == 8
+        assert all(group_has_variance(batch, g) for g in batch.groups.tolist())
+        assert metrics["dynamic_sampling/gen_batches"] == 2
+        assert metrics["dynamic_sampling/carried"] == 0
+        assert 0 < metrics["dynamic_sampling/kept_fraction"] < 1
+        # The surplus group is carried, with the sampling policy's log-probs recorded now.
+        carry = t.carry
+        assert carry is not None and len(carry.groups) == 1 and carry.stale.all()
+        assert group_has_variance(carry, carry.groups.item())
+        with torch.no_grad():
+            logp, _ = response_logprobs(t.actor.module, carry.prompt_ids, carry.prompt_mask, carry.response_ids,
+                                        carry.response_mask, t.cfg.rollout.temperature)
+        torch.testing.assert_close(carry.old_logp, logp * carry.response_mask)
+        carried_group = carry.groups.item()
+        # Finish step 1, then step 2 starts from the carried group.
+        t.score(batch)
+        t.advantage(batch, 1, metrics)
+        t.update(batch, metrics)
+        m2 = {}
+        batch2 = t.collect(Timer(), m2)
+        assert batch2.groups[0].item() == carried_group and m2["dynamic_sampling/carried"] == 1
+        rows = batch2.group_index == carried_group
+        assert batch2.stale[rows].all() and not batch2.stale[~rows].any()
+        torch.testing.assert_close(batch2.old_logp[rows], carry.old_logp)  # stale: one update old
+        assert all(group_has_variance(batch2, g) for g in batch2.groups.tolist())
+        # The LR schedule counts optimizer steps, not generation batches.
+        assert t.actor.scheduler.last_epoch == 1
+    finally:
+        t.rewards.close()
+
+
+def test_carried_groups_keep_their_old_logp_in_the_update(tmp_path, monkeypatch):
+    """On-policy shortcut (1 mini-batch, 1 epoch) must not apply to carried rows: their ratio is
+    π_now / π_sampling, so after one update it differs from 1 (DESIGN.md §5.1)."""
+    t = trainer(tmp_path, monkeypatch, "count_sevens", "seed=5")
+    try:
+        m = {}
+        b1 = t.collect(Timer(), m)
+        t.score(b1)
+        t.advantage(b1, 1, m)
+        t.update(b1, m)
+        b2 = t.collect(Timer(), {})
+        stale = b2.select(b2.stale.nonzero().squeeze(-1))
+        with torch.no_grad():
+            now, _ = response_logprobs(t.actor.module, stale.prompt_ids, stale.prompt_mask, stale.response_ids,
+                                       stale.response_mask, t.cfg.rollout.temperature)
+        assert not torch.allclose(now * stale.response_mask, stale.old_logp)
+        m2 = {}
+        t.score(b2)
+        t.advantage(b2, 2, m2)
+        t.update(b2, m2)
+        assert m2["actor/ppo_kl"] != 0.0  # the stale rows bring a non-trivial ratio into the loss
+    finally:
+        t.rewards.close()
+
+
+def test_fails_with_an_actionable_message_when_the_cap_is_hit(tmp_path, monkeypatch):
+    t = trainer(tmp_path, monkeypatch, "even_answer", "seed=0")
+    try:
+        with pytest.raises(DynamicSamplingExhausted) as e:
+            t.collect(Timer(), {})
+        msg = str(e.value)
+        assert "found only 0 informative groups of the 2 needed" in msg
+        assert "algo.max_gen_batches=4" in msg and "rollout.gen_prompts_per_step" in msg
+        assert "algo.train_on_partial=true" in msg
+    finally:
+        t.rewards.close()
+
+
+def test_train_on_partial_uses_what_was_found(tmp_path, monkeypatch):
+    # seed 10 needed 4 batches to fill P=2; with a cap of 1 batch it keeps fewer groups and trains on them.
+    t = trainer(tmp_path, monkeypatch, "count_sevens", "seed=10", "algo.max_gen_batches=1",
+                "algo.train_on_partial=true")
+    try:
+        m = {}
+        batch = t.collect(Timer(), m)
+        assert m["dynamic_sampling/gen_batches"] == 1 and 1 <= len(batch.groups) < 2
+        t.score(batch)
+        t.advantage(batch, 1, m)
+        t.update(batch, m)
+        assert m["actor/grad_norm"] > 0
+    finally:
+        t.rewards.close()

@@ -1,0 +1,265 @@
+"""Paper ladders: every rung changes exactly its declared keys (STYLE.md habit 6) at any model scale;
+`algo=dapo` is the top DAPO rung minus overlong filtering (DESIGN.md §7); `rlcli ladder` builds the
+right multirun and collects runs into exact tables and a figure; `rlcli plot` draws arbitrary runs."""
+
+import csv
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import CONF, ROOT
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from rlcli import ladder
+from rlcli.config import register_configs
+from rlcli.ladder import LadderDefaults, build_command, collect, rungs
+from rlcli.plot import figure, find_runs, group_runs
+
+register_configs()
+
+RECIPES = CONF / "recipe"
+IGNORED = ("ladder.", "algo.name")  # rung metadata and run names are not knobs
+ALL_RUNGS = [(paper, i) for paper in ladder.ladders(RECIPES) for i in range(len(rungs(paper, recipes_dir=RECIPES)))]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def make(overrides=()):
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        return compose("config", overrides=list(overrides))
+
+
+def flat(cfg) -> dict:
+    def walk(node, prefix):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                yield from walk(v, f"{prefix}{k}.")
+        else:
+            yield prefix[:-1], node
+
+    tree = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    return {k: v for k, v in walk(tree, "") if not k.startswith(IGNORED)}
+
+
+def diff(a: dict, b: dict) -> set[str]:
+    return {k for k in a.keys() | b.keys() if a.get(k, "<absent>") != b.get(k, "<absent>")}
+
+
+def covered(diffs: set[str], declared: list[str]) -> tuple[set[str], set[str]]:
+    """(changed keys no declaration covers, declarations that cover no changed key); a declared key
+    covers itself and, for a dict like reward.weights, its sub-keys."""
+    hits = {d: {k for k in diffs if k == d or k.startswith(d + ".")} for d in declared}
+    undeclared = diffs - set().union(*hits.values()) if hits else diffs
+    return undeclared, {d for d, h in hits.items() if not h}
+
+
+@pytest.mark.parametrize("paper,index", ALL_RUNGS)
+@pytest.mark.parametrize("scale", [[], ["model=qwen2.5-32b"]], ids=["tiny", "qwen2.5-32b"])
+def test_rung_changes_exactly_its_declared_keys(paper, index, scale):
+    names = rungs(paper, recipes_dir=RECIPES)
+    cfg = make([f"recipe={names[index]}", *scale])
+    # Rung 0 declares its changes relative to the plain defaults (no recipe).
+    prev = make([f"recipe={names[index - 1]}", *scale] if index else scale)
+    lad = cfg.ladder
+    assert (lad.paper, lad.index) == (paper, index), f"{names[index]}: ladder.paper/index do not match the file"
+    assert names[index].split("/")[1].startswith(f"{index:02d}_")
+    assert lad.rung and lad.paper_score is not None
+    d = diff(flat(cfg), flat(prev))
+    undeclared, unused = covered(d, list(lad.changes))
+    assert not undeclared, f"{names[index]} changes {sorted(undeclared)} without declaring them in ladder.changes"
+    assert not unused, f"{names[index]} declares {sorted(unused)} in ladder.changes but does not change them"
+
+
+@pytest.mark.parametrize("paper,index", ALL_RUNGS)
+def test_rung_is_scale_free(paper, index):
+    """A rung's total change from the plain defaults is the same at two model scales: a rung never
+    sets lr, lengths, P or G (if it did, the tiny preset's equal value would hide it at one scale)."""
+    rung = f"recipe={rungs(paper, recipes_dir=RECIPES)[index]}"
+    tiny = diff(flat(make([rung])), flat(make()))
+    big = diff(flat(make([rung, "model=qwen2.5-32b"])), flat(make(["model=qwen2.5-32b"])))
+    assert tiny == big
+    assert not [k for k in tiny if k.startswith(("optim.", "rollout.", "model.", "hw.", "data.")) or k == "steps"]
+
+
+def test_dapo_ladder_is_the_papers_table():
+    names = rungs("dapo", recipes_dir=RECIPES)
+    got = [(make([f"recipe={n}"]).ladder.paper_score, list(make([f"recipe={n}"]).ladder.changes)) for n in names]
+    assert got == [
+        (30.0, ["algo.kl_coef", "reward.incorrect_score"]),
+        (36.0, ["algo.overlong_filter"]),
+        (38.0, ["algo.clip_high"]),
+        (41.0, ["algo.soft_overlong"]),
+        (42.0, ["algo.loss_agg"]),
+        (50.0, ["algo.dynamic_sampling"]),
+    ]
+    top = make([f"recipe={names[-1]}"])
+    assert top.algo.clip_high == 0.28 and top.algo.loss_agg == "token_mean" and top.algo.kl_coef == 0.0
+    assert (top.reward.correct_score, top.reward.incorrect_score) == (1.0, -1.0)
+
+
+@pytest.mark.skipif(not (CONF / "algo" / "dapo.yaml").exists(), reason="conf/algo/dapo.yaml not written yet")
+def test_algo_dapo_is_the_top_rung_without_overlong_filtering():
+    """DESIGN.md §7: the paper's best DAPO run did not use overlong filtering."""
+    top = make([f"recipe={rungs('dapo', recipes_dir=RECIPES)[-1]}"])
+    dapo = make(["algo=dapo", "reward=dapo"])
+    a, b = (OmegaConf.to_container(c.algo, resolve=True) for c in (top, dapo))
+    assert {k for k in a if a[k] != b[k]} - {"name"} == {"overlong_filter"}
+    assert a["overlong_filter"] is True and b["overlong_filter"] is False
+
+
+# ---------------------------------------------------------------------------------------- command
+def test_build_command_default_seeds_and_override_order(tmp_path):
+    defaults = LadderDefaults(seeds=[1, 2, 3], overrides=["steps=40", "data.eval_size=64"])
+    names = rungs("dapo", recipes_dir=RECIPES)
+    cmd = build_command(names, tmp_path / "out", ["algo.clip_low=0.1"], defaults, python="PY")
+    assert cmd == [
+        "PY", "-m", "rlcli.cli", "train", "-m", "recipe=" + ",".join(names), "seed=1,2,3",
+        "steps=40", "data.eval_size=64", "algo.clip_low=0.1", f"hydra.sweep.dir={(tmp_path / 'out').resolve()}",
+    ]
+    assert names[0] == "dapo/00_naive_grpo" and names[-1] == "dapo/05_dynamic_sampling" and len(names) == 6
+
+
+def test_build_command_user_seed_and_keys_win(tmp_path):
+    defaults = LadderDefaults(seeds=[1, 2, 3], overrides=["steps=40", "data.eval_size=64"])
+    cmd = build_command(["dapo/00_naive_grpo", "dapo/01_overlong_filter"], tmp_path, ["seed=7,8", "steps=2"],
+                        defaults, python="PY")
+    assert cmd[5:] == ["recipe=dapo/00_naive_grpo,dapo/01_overlong_filter", "data.eval_size=64",
+                       "seed=7,8", "steps=2", f"hydra.sweep.dir={tmp_path.resolve()}"]
+    with pytest.raises(SystemExit, match="--rungs"):
+        build_command(["dapo/00_naive_grpo"], tmp_path, ["recipe=dapo/01_overlong_filter"], defaults)
+
+
+def test_rung_selection_and_ladder_defaults_file():
+    assert rungs("dapo", [0, 1], recipes_dir=RECIPES) == ["dapo/00_naive_grpo", "dapo/01_overlong_filter"]
+    with pytest.raises(SystemExit, match="has rungs"):
+        rungs("dapo", [9], recipes_dir=RECIPES)
+    with pytest.raises(SystemExit, match="dapo"):  # lists the ladders there are
+        rungs("no_such_paper", recipes_dir=RECIPES)
+    d = ladder.load_defaults("dapo", RECIPES)
+    assert d.seeds == [1, 2, 3] and any(o.startswith("steps=") for o in d.overrides) and d.title
+
+
+# ---------------------------------------------------------------------------------------- collect
+RUNG_META = [("naive GRPO", 0, 30.0, "dapo_00_naive_grpo"), ("+ overlong filtering", 1, 36.0, "dapo_01_overlong_filter")]
+# rung -> seed -> (eval acc before, eval acc after, train seconds); entropy and length follow below.
+RESULTS = {0: {1: (0.25, 0.40, 10.0), 2: (0.25, 0.50, 20.0), 3: (0.25, 0.60, 30.0)},
+           1: {1: (0.25, 0.70, 12.0), 2: (0.25, 0.80, 14.0)}}
+
+
+def fake_run(root: Path, job: int, rung: int, seed: int, finished=True, critic=False) -> Path:
+    name, index, score, algo = RUNG_META[rung]
+    d = root / f"{job}_{algo}_seed{seed}"
+    (d / ".hydra").mkdir(parents=True)
+    cfg = {"algo": {"name": algo, "clip_high": 0.2}, "model": {"name": "tiny"},
+           "data": {"name": "arith", "eval_size": 4}, "eval": {"size": None, "k": 1, "temperature": 0.0},
+           "rollout": {"prompts_per_step": 2, "n": 2}, "steps": 20, "seed": seed, "run_dir": str(d),
+           "ladder": {"paper": "dapo", "rung": name, "index": index, "paper_score": score, "changes": []}}
+    (d / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    (d / ".hydra" / "config.yaml").write_text("decoy: hydra's own unresolved copy\n")
+    before, after, secs = RESULTS[rung].get(seed, (0.0, 0.0, 0.0))
+    rows = [{"step": 0, "eval/acc_before": before}]
+    for s in range(1, 21):
+        row = {"step": s, "acc/mean": 0.1 * rung + s / 40, "actor/entropy": 1.0 + rung + seed / 10 - s / 100,
+               "response_length/mean": 10.0 * (rung + 1) + (seed if s > 18 else 0)}
+        if critic:
+            row |= {"critic/explained_var": s / 20, "critic/vf_loss": 1 / s}
+        rows.append(row)
+    rows.append({"step": 20, "eval/acc_after": after})
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if finished:
+        result = {"eval_before": {"eval/acc": before}, "eval_after": {"eval/acc": after}, "train_seconds": secs}
+        (d / "result.json").write_text(json.dumps(result))
+    return d
+
+
+@pytest.fixture
+def sweep(tmp_path):
+    root = tmp_path / "sweep"
+    job = 0
+    for rung, seeds in RESULTS.items():
+        for seed in seeds:
+            fake_run(root, job, rung, seed)
+            job += 1
+    fake_run(root, job, 1, 3, finished=False)  # a crashed run: counted, listed, not averaged
+    (root / "multirun.yaml").write_text("hydra: {}\n")
+    (root / "ladder.json").write_text(json.dumps({"paper": "dapo", "argv": "rlcli ladder dapo steps=20",
+                                                  "command": "python -m rlcli.cli train -m ...", "wall_seconds": 99.0}))
+    return root
+
+
+def test_collect_writes_exact_table(sweep):
+    collect(sweep, RECIPES)
+    with open(sweep / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["index"], r["rung"], r["paper_score"]) for r in rows] == [
+        ("0", "naive GRPO", "30.0"), ("1", "+ overlong filtering", "36.0")]
+    r0, r1 = rows
+    # rung 0: acc 40/50/60 -> 50 ± 10 (sample std); rung 1: 70/80 -> 75 ± 7.07; the crashed run is left out
+    assert (r0["acc_mean"], r0["acc_std"], r0["acc_before"]) == ("50.00", "10.00", "25.00")
+    assert (r1["acc_mean"], r1["acc_std"]) == ("75.00", f"{math.sqrt(50):.2f}")
+    assert (r0["runs"], r0["finished"], r0["seeds"], r1["runs"], r1["finished"]) == ("3", "3", "1 2 3", "3", "2")
+    # final entropy: last step 1 + rung + seed/10 - 0.2 -> rung 0 seeds 1, 2, 3: 1.0; rung 1 seeds 1, 2: 1.95
+    assert (r0["entropy_final"], r1["entropy_final"]) == ("1.0000", "1.9500")
+    # response length over the last 10% (2 of 20) steps: 10 + seed -> 12.00; rung 1: 20 + seed -> 21.50
+    assert (r0["response_length"], r1["response_length"]) == ("12.00", "21.50")
+    assert (r0["train_seconds_mean"], r0["train_seconds_total"], r1["train_seconds_total"]) == ("20.0", "60.0", "26.0")
+
+    md = (sweep / "results.md").read_text()
+    assert "rlcli ladder dapo steps=20" in md.split("|")[0]  # the command line, above the table
+    assert "| 0 | naive GRPO | 30.0 | 50.0 ± 10.0 (n=3) | 25.0 |" in md
+    assert "| 1 | + overlong filtering | 36.0 | 75.0 ± 7.1 (n=2) |" in md
+    assert "5_dapo_01_overlong_filter_seed3" in md  # the unfinished run is listed
+    assert "AIME24 avg@32" in md and "figure.png" in md
+    assert (sweep / "figure.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_collect_cli_recollects(sweep, capsys):
+    assert ladder.main(["--collect", str(sweep)]) == 0
+    out = capsys.readouterr().out
+    assert "50.0 ± 10.0 (n=3)" in out and (sweep / "results.md").exists()
+
+
+def test_plot_arbitrary_runs_with_critic_panels(tmp_path):
+    a = fake_run(tmp_path / "x", 0, 0, 1, critic=True)
+    b = fake_run(tmp_path / "y", 1, 0, 2, critic=True)
+    c = fake_run(tmp_path / "z", 2, 1, 1)
+    groups = group_runs(find_runs([a, b, c]))
+    assert [(g.label, len(g.runs)) for g in groups] == [("naive GRPO", 2), ("+ overlong filtering", 1)]
+    out = figure(groups, tmp_path / "fig.png")
+    assert out.read_bytes()[:8] == PNG_MAGIC
+    res = subprocess.run([sys.executable, "-m", "rlcli.cli", "plot", str(tmp_path), "--out", str(tmp_path / "p.png")],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "p.png").read_bytes()[:8] == PNG_MAGIC and "3 runs in 2 groups" in res.stdout
+
+
+def test_plot_labels_plain_runs_by_dir_name(tmp_path):
+    for seed in (1, 2):
+        d = fake_run(tmp_path, seed, 0, seed)
+        cfg = OmegaConf.load(d / "config.yaml")
+        cfg.ladder = {"paper": None, "rung": None, "index": None, "paper_score": None, "changes": []}
+        OmegaConf.save(cfg, d / "config.yaml")
+    (groups,) = group_runs(find_runs([tmp_path]))
+    assert groups.label == "1_dapo_00_naive_grpo" and len(groups.runs) == 2
+
+
+# ---------------------------------------------------------------------------------------- end to end
+@pytest.mark.slow
+def test_ladder_smoke_two_rungs(tmp_path):
+    out = tmp_path / "ladder"
+    cmd = [sys.executable, "-m", "rlcli.cli", "ladder", "dapo", "--rungs", "0,1", "--out", str(out),
+           "steps=1", "model.warm_start.enabled=false", "rollout.prompts_per_step=2", "rollout.n=2",
+           "data.eval_size=4", "eval.before=false", "save=false", "seed=1"]
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    with open(out / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["index"], r["paper_score"], r["finished"], r["seeds"]) for r in rows] == [
+        ("0", "30.0", "1", "1"), ("1", "36.0", "1", "1")]
+    assert all(r["acc_mean"] != "" and r["acc_before"] == "" for r in rows)
+    assert (out / "figure.png").read_bytes()[:8] == PNG_MAGIC
+    md = (out / "results.md").read_text()
+    assert "rlcli ladder dapo --rungs 0,1" in md and "recipe=dapo/00_naive_grpo,dapo/01_overlong_filter" in md
