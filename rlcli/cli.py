@@ -16,6 +16,7 @@ from typing import Any
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 COMMANDS = {
     "train": "RL training: rollout -> reward -> shaping -> scoring -> advantage -> update.",
+    "eval": "Sample eval.k responses per held-out prompt: acc_avg@k, pass@k, maj@k, length, truncation.",
     "sft": "Supervised warm-start of the embedded tiny model on the embedded task (cached).",
     "explain": "Print every config key with its type, default and meaning (optionally one group).",
     "ladder": "Run a paper's ablation ladder (recipes/<paper>/) over seeds; table + figure (--help).",
@@ -71,7 +72,10 @@ def train_job(cfg: Any) -> dict[str, Any] | None:
     return launch(frozen, cfg.hw.nproc, cfg.hw.master_port)
 
 
-def launch(frozen_config: str, nproc: int, port: int) -> None:
+def launch(frozen_config: str, nproc: int, port: int | None) -> None:
+    from rlcli.engine import free_port
+
+    port = port or free_port()
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
         f"--master_port={port}", "-m", "rlcli.worker", frozen_config,
@@ -96,7 +100,16 @@ def sft_job(cfg: Any) -> None:
         print(report.read_text())
 
 
-JOBS = {"train": train_job, "sft": sft_job}
+def eval_job(cfg: Any) -> dict[str, float]:
+    from rlcli.config import validate
+    from rlcli.eval import run_eval
+
+    _run_dir(cfg)
+    validate(cfg)
+    return run_eval(cfg)
+
+
+JOBS = {"train": train_job, "sft": sft_job, "eval": eval_job}
 
 
 def _hydra_main(command: str, argv: list[str]) -> None:
@@ -111,6 +124,8 @@ def _hydra_main(command: str, argv: list[str]) -> None:
     def entry(cfg: Any) -> None:
         job(cfg)
 
+    if command != "train" and not any(a.startswith(("hydra.run.dir=", "hydra.sweep.dir=")) for a in argv):
+        argv = [f"hydra.run.dir=runs/{command}/${{now:%Y-%m-%d}}/${{now:%H-%M-%S}}", *argv]
     sys.argv = [f"rlcli {command}", *argv]
     entry()
 

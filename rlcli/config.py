@@ -112,8 +112,8 @@ class HWConfig:
     """torch intra-op threads per process (null = torch default)."""
     shm_comm: bool = False
     """Use DeepSpeed's CPU shared-memory all-reduce op (JIT-compiled once, ~50 s); gloo otherwise."""
-    master_port: int = 29533
-    """Rendezvous port for multi-process runs."""
+    master_port: int | None = None
+    """Rendezvous port for multi-process runs (null = a free port)."""
 
 
 @dataclass
@@ -138,6 +138,12 @@ class EvalConfig:
     """0 = greedy decoding; DAPO evaluates with 1.0."""
     top_p: float = 1.0
     """Nucleus threshold for sampled evaluation (DAPO: 0.7)."""
+    pass_ks: list[int] = field(default_factory=list)
+    """pass@j values to report (each <= k); empty = pass@k only."""
+    max_new_tokens: int | None = None
+    """Response budget for evaluation (null = rollout.max_new_tokens)."""
+    batch_prompts: int = 64
+    """Memory only: prompts per generation call."""
     every: int = 0
     """Evaluate every this many training steps (0 = only before and after training)."""
     before: bool = True
@@ -237,6 +243,10 @@ def validate(cfg: DictConfig | Any) -> None:
         raise ValueError(f"hw.precision={hw.precision!r}: choose fp32 or bf16 (fp16 is refused on CPU)")
     if hw.zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"hw.zero_stage={hw.zero_stage} must be 0, 1, 2 or 3")
+    if cfg.eval.k > 1 and cfg.eval.temperature == 0:
+        raise ValueError(f"eval.k={cfg.eval.k} samples need eval.temperature > 0 (greedy gives k copies)")
+    if any(not 1 <= j <= cfg.eval.k for j in cfg.eval.pass_ks):
+        raise ValueError(f"eval.pass_ks={list(cfg.eval.pass_ks)} must lie in [1, eval.k={cfg.eval.k}]")
     if r.engine not in ("hf", "vllm"):
         raise ValueError(f"rollout.engine={r.engine!r}: choose hf or vllm")
     if r.engine == "vllm" and hw.device != "cuda":

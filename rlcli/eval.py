@@ -1,32 +1,90 @@
-"""Held-out evaluation with the rollout and reward code the trainer uses."""
+"""Held-out evaluation: sample k responses per prompt, verify them, report acc_avg@k, pass@k, maj@k.
+
+The same code serves `rlcli eval` and the trainer's before/after and periodic evaluation: it uses
+the rollout engine and the reward workers of training, so the numbers are comparable.
+"""
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
 from tqdm.auto import tqdm
 
+from rlcli.eval_metrics import extract_final_answer, summarize
 from rlcli.rollout.hf import generate
 
 
-def evaluate(
+def sample_and_verify(
     model: Any, tokenizer: Any, examples: list[dict[str, str]], eval_cfg: Any, rollout_cfg: Any,
-    rewards: Any, chunk: int = 64, progress: bool = False,
-) -> dict[str, float]:
-    """Sample eval.k responses per prompt (greedy when eval.temperature == 0) and verify them.
-
-    Returns sums so callers can reduce over ranks: correct, total, length_sum, truncated.
-    """
-    correct = total = length_sum = truncated = 0.0
-    for s in tqdm(range(0, len(examples), chunk), desc="eval", disable=not progress, leave=False):
+    rewards: Any, progress: bool = False,
+) -> list[dict[str, Any]]:
+    """Per prompt: its k responses, verdicts, extracted answers, lengths and truncation flags."""
+    k, chunk = eval_cfg.k, max(1, eval_cfg.batch_prompts)
+    results: list[dict[str, Any]] = []
+    bar = tqdm(total=len(examples), desc="eval", unit="prompt", disable=not progress, leave=False)
+    for s in range(0, len(examples), chunk):
         part = examples[s : s + chunk]
         b = generate(
-            model, tokenizer, [e["prompt"] for e in part], [e["answer"] for e in part], eval_cfg.k,
-            rollout_cfg.max_new_tokens, eval_cfg.temperature, eval_cfg.top_p, 0, rollout_cfg.gen_batch_size,
+            model, tokenizer, [e["prompt"] for e in part], [e["answer"] for e in part], k,
+            eval_cfg.max_new_tokens or rollout_cfg.max_new_tokens, eval_cfg.temperature, eval_cfg.top_p,
+            0, rollout_cfg.gen_batch_size,
         )
         out = rewards(b.texts, b.answers)
-        correct += out.acc.sum().item()
-        total += len(b)
-        length_sum += b.lengths.sum().item()
-        truncated += b.truncated.sum().item()
-    return {"correct": correct, "total": total, "length_sum": length_sum, "truncated": truncated}
+        lengths, truncated = b.lengths.tolist(), b.truncated.tolist()
+        for i, e in enumerate(part):
+            rows = range(i * k, (i + 1) * k)
+            results.append({
+                "prompt": e["prompt"],
+                "answer": e["answer"],
+                "responses": [b.texts[j] for j in rows],
+                "answers": [extract_final_answer(b.texts[j]) for j in rows],
+                "correct": [bool(out.acc[j] > 0.5) for j in rows],
+                "response_length": [lengths[j] for j in rows],
+                "truncated": [bool(truncated[j]) for j in rows],
+            })
+        bar.update(len(part))
+    bar.close()
+    return results
+
+
+def metrics(per_prompt: list[dict[str, Any]], eval_cfg: Any) -> dict[str, float]:
+    return summarize(per_prompt, pass_ks=list(eval_cfg.pass_ks) or None)
+
+
+def run_eval(cfg: Any) -> dict[str, float]:
+    """`rlcli eval`: evaluate cfg.model on cfg.data's eval split; write a summary and per-prompt results."""
+    import torch
+
+    from rlcli.data import load_split
+    from rlcli.models import load_policy, resolve_model_path
+    from rlcli.rewards import RewardManager
+
+    if cfg.hw.num_threads:
+        torch.set_num_threads(cfg.hw.num_threads)
+    torch.manual_seed(cfg.seed)
+    path, source = resolve_model_path(cfg.model, cfg.data)
+    model, tokenizer = load_policy(cfg.model, path)
+    examples, report = load_split(cfg.data, "eval", cfg.seed, tokenizer=tokenizer)
+    if cfg.eval.size:
+        examples = examples[: cfg.eval.size]
+    e = cfg.eval
+    print(
+        f"rlcli eval\n  model     {path} ({source})\n  data      {cfg.data.name}: {len(examples)} prompts; "
+        f"{report.summary()}\n  sampling  k={e.k} temperature={e.temperature} top_p={e.top_p} "
+        f"max_new_tokens={e.max_new_tokens or cfg.rollout.max_new_tokens}\n  output    {cfg.run_dir}",
+        flush=True,
+    )
+    with RewardManager(cfg.reward) as rewards:
+        per_prompt = sample_and_verify(model, tokenizer, examples, e, cfg.rollout, rewards, progress=True)
+    summary = metrics(per_prompt, e)
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    with open(os.path.join(cfg.run_dir, "eval_summary.json"), "w") as f:
+        json.dump({"model": path, "data": cfg.data.name, **summary}, f, indent=2)
+    with open(os.path.join(cfg.run_dir, "eval_per_prompt.jsonl"), "w") as f:
+        for row in per_prompt:
+            f.write(json.dumps(row) + "\n")
+    for name, value in summary.items():
+        print(f"  {name:<24} {value:.4f}")
+    return summary

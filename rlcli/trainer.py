@@ -384,13 +384,16 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation & reporting
     def evaluate(self) -> dict[str, float]:
-        """Held-out accuracy on the eval split (greedy by default), sharded over ranks."""
-        from rlcli.eval import evaluate
+        """Held-out metrics (greedy accuracy by default) with the code of `rlcli eval`, sharded over ranks."""
+        from rlcli.eval import metrics, sample_and_verify
 
         shard = self.eval_examples[self.rank :: self.world]
-        res = evaluate(self.actor.module, self.tokenizer, shard, self.cfg.eval, self.cfg.rollout, self.rewards)
-        sums = eng.all_reduce_sum(torch.tensor([res["correct"], res["total"], res["length_sum"]]))
-        return {"eval/acc": (sums[0] / sums[1]).item(), "eval/response_length": (sums[2] / sums[1]).item()}
+        rows = sample_and_verify(self.actor.module, self.tokenizer, shard, self.cfg.eval, self.cfg.rollout, self.rewards)
+        if self.world > 1:
+            gathered: list[Any] = [None] * self.world
+            torch.distributed.all_gather_object(gathered, rows)
+            rows = [r for part in gathered for r in part]
+        return metrics(rows, self.cfg.eval)
 
     def summary(self) -> str:
         cfg, a, r, hw = self.cfg, self.cfg.algo, self.cfg.rollout, self.cfg.hw

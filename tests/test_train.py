@@ -51,7 +51,7 @@ def rlcli(tmp_path, *args, timeout=600):
 def two_step_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("train")
     run = tmp / "run"
-    out = rlcli(tmp, "train", "steps=2", "logger=wandb", f"hydra.run.dir={run}", *FAST)
+    out = rlcli(tmp, "train", "steps=2", "logger=wandb", "eval.every=1", f"hydra.run.dir={run}", *FAST)
     return tmp, run, out
 
 
@@ -104,6 +104,29 @@ def test_saved_policy_reloads_and_generates(two_step_run):
     assert isinstance(tok.decode(out[0]), str)
 
 
+def test_periodic_eval_uses_the_eval_code(two_step_run):
+    _, run, _ = two_step_run
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    step1 = next(r for r in rows if r["step"] == 1 and "actor/pg_loss" in r)
+    assert {"eval/acc", "eval/acc_avg@1", "eval/pass@1", "eval/maj@1", "eval/response_length"} <= step1.keys()
+
+
+def test_rlcli_eval_samples_k_and_writes_summary(two_step_run):
+    tmp, run, _ = two_step_run
+    out_dir = tmp / "eval"
+    out = rlcli(tmp, "eval", f"model.path={run / 'policy'}", "eval.k=4", "eval.temperature=1.0", "eval.top_p=0.7",
+                "eval.pass_ks=[1,2,4]", "data.eval_size=6", "rollout.max_new_tokens=24", f"hydra.run.dir={out_dir}")
+    summary = json.loads((out_dir / "eval_summary.json").read_text())
+    for k in ("eval/acc_avg@4", "eval/pass@1", "eval/pass@2", "eval/pass@4", "eval/maj@4", "eval/response_length",
+              "eval/truncated_frac"):
+        assert 0.0 <= summary[k] <= (24 if "length" in k else 1.0), k
+    assert summary["eval/prompts"] == 6 and summary["eval/pass@1"] == pytest.approx(summary["eval/acc_avg@4"])
+    assert summary["eval/pass@1"] <= summary["eval/pass@2"] <= summary["eval/pass@4"]
+    rows = [json.loads(x) for x in (out_dir / "eval_per_prompt.jsonl").read_text().splitlines()]
+    assert len(rows) == 6 and all(len(r["responses"]) == 4 and len(r["correct"]) == 4 for r in rows)
+    assert "eval/acc_avg@4" in out.stdout
+
+
 def test_multirun_makes_one_run_per_seed(tmp_path):
     sweep = tmp_path / "sweep"
     rlcli(tmp_path, "train", "-m", "seed=1,2", "steps=1", "eval.before=false", "save=false",
@@ -116,7 +139,7 @@ def test_multirun_makes_one_run_per_seed(tmp_path):
 
 def test_cpu_x2_is_launched_by_rlcli_train(tmp_path):
     run = tmp_path / "run"
-    out = rlcli(tmp_path, "train", "hw=cpu_x2", "steps=1", "save=false", "hw.master_port=29611",
+    out = rlcli(tmp_path, "train", "hw=cpu_x2", "steps=1", "save=false",
                 f"hydra.run.dir={run}", *FAST)
     assert "world size 2" in out.stdout + out.stderr
     assert "launching:" in out.stdout
@@ -130,17 +153,18 @@ def one_update(tmp_path, name, nproc, extra=()):
 
     from conftest import CONF
     from rlcli.config import register_configs
+    from rlcli.engine import free_port
 
     register_configs()
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        cfg = compose("config", overrides=[*FAST, f"hw.nproc={nproc}", "hw.master_port=29622", *extra])
+        cfg = compose("config", overrides=[*FAST, f"hw.nproc={nproc}", *extra])
     cfg.run_dir = str(tmp_path / name)
     os.makedirs(cfg.run_dir, exist_ok=True)
     frozen = tmp_path / f"{name}.yaml"
     OmegaConf.save(cfg, frozen, resolve=True)
     script = str(ROOT / "tests" / "helpers" / "one_update.py")
     cmd = [sys.executable, script] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port=29622", script]
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}", script]
     out = subprocess.run([*cmd, str(frozen), str(tmp_path / f"{name}.pt")], capture_output=True, text=True,
                          timeout=600, env=env(tmp_path), cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]

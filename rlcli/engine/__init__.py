@@ -25,14 +25,9 @@ def init_distributed(hw: Any) -> None:
 
     if dist.is_available() and dist.is_initialized():
         return
-    for key, value in (
-        ("RANK", "0"),
-        ("WORLD_SIZE", "1"),
-        ("LOCAL_RANK", "0"),
-        ("MASTER_ADDR", "127.0.0.1"),
-        ("MASTER_PORT", str(hw.master_port)),
-    ):
-        os.environ.setdefault(key, value)
+    if "WORLD_SIZE" not in os.environ:  # one process, not launched by torchrun: a private group
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
     if hw.device == "cpu" and not hw.shm_comm:
         # DeepSpeed JIT-compiles a shared-memory all-reduce for CPU at first init (~50 s on 2 cores).
         # Marking it incompatible makes DeepSpeed fall back to plain gloo collectives.
@@ -42,6 +37,15 @@ def init_distributed(hw: Any) -> None:
     deepspeed.init_distributed(dist_backend="gloo" if hw.device == "cpu" else "nccl", verbose=False)
     if hw.device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now, so concurrent runs on one machine never collide."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def rank() -> int:
