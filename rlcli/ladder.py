@@ -159,7 +159,7 @@ def summarize(group: Group) -> dict[str, Any]:
         "entropy_final": mean([_last(r.series("actor/entropy")[1]) for r in done]),
         "response_length": mean([_tail_mean(r.series("response_length/mean")[1]) for r in done]),
         "train_seconds_mean": mean(secs),
-        "train_seconds_total": sum(secs),
+        "train_seconds_total": sum(secs) if secs else math.nan,
         "seeds": " ".join(str(r.seed) for r in done),
         "runs": len(group.runs),
         "finished": len(done),
@@ -207,7 +207,7 @@ def write_markdown(rows: list[dict[str, Any]], groups: list[Group], path: Path, 
     if meta.get("command"):
         lines += ["Multirun it launched:", "", "```bash", meta["command"], "```", ""]
     lines += [
-        f"Model `{cfg.get('model', {}).get('name')}`, data `{data.get('name')}`, {cfg.get('steps')} steps, "
+        f"Model `{cfg.get('model', {}).get('name')}`, data `{data.get('name')}`, `steps={cfg.get('steps')}`, "
         f"P={cfg.get('rollout', {}).get('prompts_per_step')} prompts x G={cfg.get('rollout', {}).get('n')} responses.",
         "",
         "| # | rung | paper | ours: held-out acc % (mean ± std) | before % | final entropy "
@@ -220,7 +220,7 @@ def write_markdown(rows: list[dict[str, Any]], groups: list[Group], path: Path, 
             f"| {_fmt(r['acc_before'], 1)} | {_fmt(r['entropy_final'], 3)} | {_fmt(r['response_length'], 1)} "
             f"| {_fmt(r['train_seconds_mean'], 0)} | {_fmt(r['train_seconds_total'], 0)} |"
         )
-    total = sum(r["train_seconds_total"] for r in rows)
+    total = sum(r["train_seconds_total"] for r in rows if r["finished"])
     lines += [
         "",
         f"- paper: {defaults.paper_metric or 'the number in the rung file (ladder.paper_score)'}.",
