@@ -36,7 +36,8 @@ class RolloutBatch:
     loss_mask: Tensor | None = None  # [N, T] response_mask minus overlong-filtered rows
     old_logp: Tensor | None = None  # [N, T] log-probs of the sampling policy (temperature-scaled)
     ref_logp: Tensor | None = None  # [N, T] reference policy log-probs (only with KL)
-    values: Tensor | None = None  # [N, T] critic values (only with a critic)
+    values: Tensor | None = None  # [N, T] critic values at sampling time (value-clip centre)
+    adv_values: Tensor | None = None  # [N, T] values GAE uses: V_aug with the seed option, else `values`
     advantages: Tensor | None = None  # [N, T]
     returns: Tensor | None = None  # [N, T]
     token_rewards: Tensor | None = None  # [N, T]

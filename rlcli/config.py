@@ -22,6 +22,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from rlcli.algos.config import AlgoConfig
 from rlcli.data.config import DataConfig
 from rlcli.models.tiny import TinyModelConfig
+from rlcli.models.value import CriticConfig
 from rlcli.rewards.config import RewardConfig, group_base
 from rlcli.sft import WarmStartConfig
 
@@ -70,6 +71,8 @@ class RolloutConfig:
     """Top-k sampling (0 = off)."""
     gen_batch_size: int = 128
     """Memory only: sequences per generate call."""
+    group_sampling_factor: int = 2
+    """With algo.group_sampling: P / factor prompts and G * factor responses each (VAPO)."""
 
 
 @dataclass
@@ -163,7 +166,10 @@ class LadderConfig:
     paper_score: float | None = None
     """The paper's number for this row (DAPO/VAPO Table 1: AIME24 avg@32)."""
     changes: list[str] = field(default_factory=list)
-    """Config keys this rung changes relative to the previous rung (checked by tests)."""
+    """Config keys this rung changes relative to its base rung (checked by tests)."""
+    base: str | None = None
+    """The recipe this rung's `changes` are relative to, e.g. vapo/02_vapo for a leave-one-out row;
+    null = the previous rung (a cumulative ladder such as DAPO's)."""
 
 
 @dataclass
@@ -183,7 +189,9 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Sampling settings and batch units P and G."""
     optim: OptimConfig = field(default_factory=OptimConfig)
-    """Optimizer and LR schedule."""
+    """Optimizer and LR schedule (the actor's)."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """The value model, built only when algo.adv_estimator needs values (gae, vapo_grpo_hybrid)."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Held-out evaluation."""
     ladder: LadderConfig = field(default_factory=LadderConfig)
@@ -202,25 +210,42 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="config_schema", node=Config)
 
 
+def batch_units(cfg: Any) -> tuple[int, int]:
+    """(P, G) actually sampled per step: rollout.prompts_per_step and rollout.n, traded against each
+    other by VAPO group sampling (fewer prompts, more responses, same N = P*G)."""
+    r = cfg.rollout
+    if cfg.algo.group_sampling:
+        return r.prompts_per_step // r.group_sampling_factor, r.n * r.group_sampling_factor
+    return r.prompts_per_step, r.n
+
+
 def validate(cfg: DictConfig | Any) -> None:
     """Cross-field checks that types alone cannot express; raise ValueError naming key and fix."""
     from rlcli.algos.config import validate as validate_algo
     from rlcli.data.config import validate as validate_data
+    from rlcli.models.value import validate_critic
     from rlcli.rewards.config import validate as validate_reward
 
     validate_algo(cfg.algo)
     validate_reward(cfg.reward)
     validate_data(cfg.data)
+    validate_critic(cfg.critic)
     r, hw, a = cfg.rollout, cfg.hw, cfg.algo
-    if r.prompts_per_step % hw.nproc:
+    if a.group_sampling and (r.group_sampling_factor < 1 or r.prompts_per_step % r.group_sampling_factor):
         raise ValueError(
-            f"rollout.prompts_per_step={r.prompts_per_step} is not divisible by hw.nproc={hw.nproc}: "
-            "each rank generates whole groups for an equal share of the prompts"
+            f"algo.group_sampling needs rollout.prompts_per_step={r.prompts_per_step} divisible by "
+            f"rollout.group_sampling_factor={r.group_sampling_factor} (>= 1)"
         )
-    per_rank_p = r.prompts_per_step // hw.nproc
+    p, _ = batch_units(cfg)
+    if p % hw.nproc:
+        raise ValueError(
+            f"rollout.prompts_per_step={r.prompts_per_step} (P={p} sampled) is not divisible by "
+            f"hw.nproc={hw.nproc}: each rank generates whole groups for an equal share of the prompts"
+        )
+    per_rank_p = p // hw.nproc
     if per_rank_p % a.mini_batches:
         raise ValueError(
-            f"per-rank prompts ({r.prompts_per_step}/{hw.nproc}={per_rank_p}) are not divisible by "
+            f"per-rank prompts ({p}/{hw.nproc}={per_rank_p}) are not divisible by "
             f"algo.mini_batches={a.mini_batches}: a mini-batch holds whole groups; change one of them"
         )
     for key, value, low in (

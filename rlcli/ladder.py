@@ -24,6 +24,7 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -108,7 +109,7 @@ def _quote(value: str) -> str:
 def build_command(
     rung_names: list[str],
     out: str | Path,
-    user_overrides: list[str] = (),  # type: ignore[assignment]
+    user_overrides: Sequence[str] = (),
     defaults: LadderDefaults | None = None,
     python: str = sys.executable,
 ) -> list[str]:
@@ -302,9 +303,9 @@ def main(argv: list[str]) -> int:
         print(shlex.join(cmd))
         return 0
     out.mkdir(parents=True, exist_ok=True)
-    seeds = next((o.split("=", 1)[1] for o in cmd if o.startswith("seed=")), None)
-    n_seeds = len(seeds.split(",")) if seeds else 1
-    print(f"ladder {args.paper}: {len(names)} rungs x {n_seeds} seeds = {len(names) * n_seeds} runs -> {out}")
+    seeds = next((o.split("=", 1)[1] for o in cmd if o.startswith("seed=")), "")
+    runs = f" = {len(names) * len(seeds.split(','))} runs" if re.fullmatch(r"[\d,]+", seeds) else ""
+    print(f"ladder {args.paper}: {len(names)} rungs x seeds {seeds}{runs} -> {out}")
     print("running:", shlex.join(cmd), flush=True)
     meta = {"paper": args.paper, "argv": argv_line, "command": shlex.join(cmd), "started": datetime.now().isoformat()}
     (out / META_FILE).write_text(json.dumps(meta, indent=2))

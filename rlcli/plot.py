@@ -212,7 +212,7 @@ def figure(groups: list[Group], out: str | Path, title: str | None = None) -> Pa
         paper = [g.ladder.get("paper_score") for g in groups]
         if any(p is not None for p in paper):
             ax.bar([x + 0.2 for x in xs], [p if p is not None else 0.0 for p in paper], width=0.4,
-                   color="lightgray", edgecolor="gray", label="paper")
+                   color="lightgray", edgecolor="gray", label="paper's number (its own benchmark)")
         ax.set_xticks(list(xs), [str(i if g.ladder.get("index") is None else g.ladder["index"])
                                  for i, g in enumerate(groups)])
         ax.set_title("held-out accuracy, % (error bar: std over seeds)", fontsize=10)

@@ -31,13 +31,22 @@ from tqdm.auto import tqdm
 
 from rlcli import engine as eng
 from rlcli.algos.advantages import NEEDS_VALUES, AdvantageInputs, compute_advantages
-from rlcli.algos.functional import aggregate, aggregation_counts, kl_estimate
+from rlcli.algos.functional import aggregate, aggregation_counts, gae, kl_estimate
 from rlcli.algos.kl import build_kl_controller
 from rlcli.algos.losses import POLICY_LOSSES
 from rlcli.batch import RolloutBatch
+from rlcli.config import batch_units
 from rlcli.data import PromptStream, load_split
 from rlcli.metrics import MetricsLogger, Timer, peak_mem_gb
-from rlcli.models import load_policy, resolve_model_path, response_logprobs
+from rlcli.models import DTYPES, load_policy, resolve_model_path, response_logprobs
+from rlcli.models.value import (
+    augmented_values,
+    critic_loss,
+    explained_variance,
+    load_critic,
+    response_head_outputs,
+    response_values,
+)
 from rlcli.rewards import RewardManager
 from rlcli.rollout.hf import generate
 from rlcli.rollout.shaping import shape
@@ -64,13 +73,10 @@ class Trainer:
         self.main = self.rank == 0
         seed_everything(cfg.seed)
         a, r = cfg.algo, cfg.rollout
-        self.p_local = r.prompts_per_step // self.world  # prompts (groups) per rank per step
-        self.gen_p_local = (r.gen_prompts_per_step or r.prompts_per_step) // self.world
+        self.P, self.G = batch_units(cfg)  # after VAPO group sampling
+        self.p_local = self.P // self.world  # prompts (groups) per rank per step
+        self.gen_p_local = (r.gen_prompts_per_step or self.P) // self.world
         self.on_policy = a.mini_batches == 1 and a.ppo_epochs == 1 and not (a.kl_coef > 0 and a.kl_in_reward)
-        if a.adv_estimator in NEEDS_VALUES:
-            raise NotImplementedError(
-                f"algo.adv_estimator={a.adv_estimator} needs a critic, which this build does not have yet"
-            )
 
         # Model, reference, engine. The tiny default is warm-started once (rank 0 first, then cached).
         if self.main:
@@ -86,6 +92,16 @@ class Trainer:
         self.optimizer_steps = cfg.steps * a.mini_batches * a.ppo_epochs
         self.actor = eng.Engine(model, cfg.hw, cfg.optim, self.optimizer_steps)
         self.kl_ctl = build_kl_controller(a)
+        # The critic exists only for estimators that need values; VAPO pretrains it first.
+        self.critic: eng.Engine | None = None
+        self.v_pretrained: torch.nn.Module | None = None  # frozen pretrained critic (V_aug option)
+        self.pretrain_steps = cfg.critic.pretrain_steps if a.value_pretrain else 0
+        if a.adv_estimator in NEEDS_VALUES:
+            critic = load_critic(cfg.critic, self.model_path, DTYPES[cfg.model.dtype]).to(self.device)
+            self.critic = eng.Engine(
+                critic, cfg.hw, cfg.optim, self.optimizer_steps + self.pretrain_steps * a.mini_batches,
+                lr=cfg.critic.lr, warmup_steps=cfg.critic.warmup_steps,
+            )
 
         self.rewards = RewardManager(cfg.reward)
         train, self.train_report = load_split(cfg.data, "train", cfg.seed, tokenizer=self.tokenizer)
@@ -108,6 +124,8 @@ class Trainer:
             self.print(f"held-out accuracy before training: {result['eval_before']['eval/acc']:.3f}")
             self.logger.log({f"{k}_before": v for k, v in result["eval_before"].items()}, step=0)
         t_start = time.perf_counter()
+        if self.pretrain_steps:
+            result["value_pretrain"] = self.pretrain_critic()
         bar = tqdm(range(1, cfg.steps + 1), desc="train", disable=not self.main, dynamic_ncols=True)
         for step in bar:
             metrics = self.train_step(step)
@@ -129,12 +147,42 @@ class Trainer:
             eng.save_policy(self.actor.module, self.tokenizer, path)
             result["policy_path"] = path
             self.print(f"saved policy to {path} (AutoModelForCausalLM.from_pretrained loads it)")
+            if self.critic is not None:
+                self.critic.module.save_pretrained(os.path.join(cfg.run_dir, "critic"))
         if self.main:
             with open(os.path.join(cfg.run_dir, "result.json"), "w") as f:
                 json.dump(result, f, indent=2)
         self.logger.close()
         self.rewards.close()
         return result
+
+    def pretrain_critic(self) -> dict[str, float]:
+        """VAPO value pretraining (arXiv:2504.05118 §3.1): roll out the frozen initial policy and train
+        only the critic on Monte-Carlo (λ = 1) returns, for critic.pretrain_steps steps or until the
+        explained variance of a fresh batch, measured before its update, reaches the threshold."""
+        c, a = self.cfg.critic, self.cfg.algo
+        out: dict[str, float] = {"steps": 0}
+        bar = tqdm(range(1, self.pretrain_steps + 1), desc="value pretraining", disable=not self.main)
+        for k in bar:
+            timer, m = Timer(), {}
+            batch = self.collect(timer, m)
+            with timer("score"):
+                batch.values = batch.adv_values = self.values(self.critic.module, batch)
+            batch.returns = gae(self.token_rewards(batch, m), batch.values, batch.response_mask, a.gamma, 1.0)[1]
+            ev = explained_variance(batch.values, batch.returns, batch.loss_mask).item()
+            with timer("update"):
+                self.update(batch, m, actor=False)
+            m.update(timer.metrics())
+            m["critic/explained_var"] = ev
+            self.logger.log({f"pretrain/{key}": v for key, v in m.items()} | {"pretrain/step": k}, step=0)
+            bar.set_postfix(ev=f"{ev:.3f}", vf_loss=f"{m['critic/vf_loss']:.4f}")
+            out.update(steps=k, explained_var=ev, vf_loss=m["critic/vf_loss"])
+            if c.pretrain_ev_threshold is not None and ev >= c.pretrain_ev_threshold:
+                break
+        if c.aug_w0 is not None:
+            self.v_pretrained = eng.frozen_copy(self.critic.module)
+        self.carry = None  # groups sampled for pretraining never reach the actor
+        return out
 
     def train_step(self, step: int) -> dict[str, float]:
         timer, metrics = Timer(), {}
@@ -143,7 +191,7 @@ class Trainer:
         batch = self.collect(timer, metrics)
         # 4. score: log-probs of the sampling policy and of the reference.
         with timer("score"):
-            self.score(batch)
+            self.score(batch, step)
         # 5. advantage.
         with timer("advantage"):
             self.advantage(batch, step, metrics)
@@ -188,7 +236,7 @@ class Trainer:
             with timer("rollout"):
                 b = generate(
                     self.actor.module, self.tokenizer, [p["prompt"] for p in prompts],
-                    [p["answer"] for p in prompts], r.n, r.max_new_tokens, r.temperature, r.top_p,
+                    [p["answer"] for p in prompts], self.G, r.max_new_tokens, r.temperature, r.top_p,
                     r.top_k, r.gen_batch_size, group_offset=self.next_group,
                 )
             self.next_group += n_prompts
@@ -254,7 +302,17 @@ class Trainer:
                 out.append(logp.cpu())
         return torch.cat(out) * b.response_mask
 
-    def score(self, batch: RolloutBatch) -> None:
+    def values(self, critic: torch.nn.Module, b: RolloutBatch) -> Tensor:
+        """Critic values of `b`'s response positions, micro-batched, no grad. -> [N, T]"""
+        out = []
+        with torch.no_grad():
+            for idx in self.micro_batches(b, torch.arange(len(b))):
+                out.append(response_values(
+                    critic, b.prompt_ids[idx], b.prompt_mask[idx], b.response_ids[idx], b.response_mask[idx]
+                ).cpu())
+        return torch.cat(out) * b.response_mask
+
+    def score(self, batch: RolloutBatch, step: int = 0) -> None:
         fresh = ~batch.stale  # [N] rows sampled this step (carried rows bring their own old_logp)
         if not self.on_policy and fresh.any():
             if batch.old_logp is None:
@@ -263,34 +321,52 @@ class Trainer:
             batch.old_logp[idx] = self.logprobs(self.actor.module, batch.select(idx))
         if self.ref is not None:
             batch.ref_logp = self.logprobs(self.ref, batch)
+        if self.critic is not None:
+            batch.values = batch.adv_values = self.values(self.critic.module, batch)
+            if self.v_pretrained is not None:  # seed-001 option: V_aug = w(t) V_pre + (1 - w(t)) V
+                c = self.cfg.critic
+                batch.adv_values = augmented_values(
+                    batch.values, self.values(self.v_pretrained, batch), step, self.cfg.steps, c.aug_w0, c.aug_kappa
+                ) * batch.response_mask
 
     # ------------------------------------------------------------------ stage 5
-    def advantage(self, batch: RolloutBatch, step: int, metrics: dict[str, float]) -> None:
+    def token_rewards(self, batch: RolloutBatch, metrics: dict[str, float]) -> Tensor:
+        """[N, T]: the shaped outcome reward on each response's last token, minus β·KL per token
+        when the KL penalty is in the reward (PPO, RLOO, REINFORCE++)."""
         a = self.cfg.algo
         n, t = batch.response_mask.shape
         last = (batch.lengths - 1).clamp(min=0)  # [N] index of the last response token
-        token_rewards = torch.zeros(n, t)  # [N, T] outcome reward on the last valid token
-        token_rewards[torch.arange(n), last] = batch.scores
+        rewards = torch.zeros(n, t)  # [N, T]
+        rewards[torch.arange(n), last] = batch.scores
         if self.ref is not None and a.kl_in_reward:
             kl = kl_estimate(batch.old_logp, batch.ref_logp, a.kl_estimator) * batch.response_mask  # [N, T]
-            token_rewards = token_rewards - self.kl_ctl.value * kl
-            seq_kl = eng.all_reduce_sum(torch.stack([kl.sum(), batch.response_mask.sum()]))
-            metrics["actor/reward_kl"] = (seq_kl[0] / seq_kl[1]).item()
+            rewards = rewards - self.kl_ctl.value * kl
+            tot = eng.all_reduce_sum(torch.stack([kl.sum(), batch.response_mask.sum()]))
+            metrics["actor/reward_kl"] = (tot[0] / tot[1]).item()
             self.kl_ctl.update(metrics["actor/reward_kl"], n)
             metrics["actor/kl_coef"] = self.kl_ctl.value
-        batch.token_rewards = token_rewards
+        return rewards
+
+    def advantage(self, batch: RolloutBatch, step: int, metrics: dict[str, float]) -> None:
+        a = self.cfg.algo
+        batch.token_rewards = self.token_rewards(batch, metrics)
         inp = AdvantageInputs(
-            scores=batch.scores, token_rewards=token_rewards, mask=batch.response_mask,
-            group_index=batch.group_index, lengths=batch.lengths, values=batch.values,
+            scores=batch.scores, token_rewards=batch.token_rewards, mask=batch.response_mask,
+            group_index=batch.group_index, lengths=batch.lengths, values=batch.adv_values,
             step=step, total_steps=self.cfg.steps,
         )
         batch.advantages, batch.returns = compute_advantages(inp, a)  # [N, T] each
         valid = batch.response_mask.bool()
         metrics["adv/mean"] = batch.advantages[valid].mean().item()
         metrics["adv/std"] = batch.advantages[valid].std().item() if valid.sum() > 1 else 0.0
+        if self.critic is not None:  # before the update, over the whole step (verl's definition)
+            metrics["critic/explained_var"] = explained_variance(batch.values, batch.returns, batch.loss_mask).item()
+            metrics["critic/returns_mean"] = batch.returns[valid].mean().item()
 
     # ------------------------------------------------------------------ stage 6
-    def update(self, batch: RolloutBatch, metrics: dict[str, float]) -> None:
+    def update(self, batch: RolloutBatch, metrics: dict[str, float], actor: bool = True) -> None:
+        """ppo_epochs x mini_batches optimizer steps of the actor (unless `actor` is False, as in
+        value pretraining) and of the critic when there is one, over the same mini-batches."""
         a, hw = self.cfg.algo, self.cfg.hw
         gen = torch.Generator().manual_seed(self.cfg.seed * 7919 + self.actor.ds.global_steps)
         groups = batch.groups
@@ -305,22 +381,49 @@ class Trainer:
                 micro = list(self.micro_batches(mb, torch.arange(len(mb))))
                 mb_sums: dict[str, float] = defaultdict(float)
                 for i, idx in enumerate(micro):
-                    loss, m = self.micro_loss(mb.select(idx), norms)
-                    self.actor.backward(loss, last=i == len(micro) - 1)
+                    mbi, last = mb.select(idx), i == len(micro) - 1
+                    m: dict[str, float] = {}
+                    if actor:
+                        loss, m = self.micro_loss(mbi, norms)
+                        self.actor.backward(loss, last=last)
+                    if self.critic is not None:
+                        vf_loss, cm = self.micro_value_loss(mbi, norms)
+                        self.critic.backward(vf_loss, last=last)
+                        m.update(cm)
                     for k, v in m.items():
                         mb_sums[k] += v
-                res = self.actor.step()
+                if self.critic is not None:
+                    cres = self.critic.step()
+                    sums["critic/grad_norm"] += cres.grad_norm if math.isfinite(cres.grad_norm) else 0.0
                 # Micro-batch metrics are shares of mini-batch means: they add up over ranks too.
                 keys = sorted(mb_sums)
                 totals = eng.all_reduce_sum(torch.tensor([mb_sums[k] for k in keys], dtype=torch.float64))
                 for k, v in zip(keys, totals.tolist()):
                     sums[k] += v
-                sums["actor/grad_norm"] += res.grad_norm if math.isfinite(res.grad_norm) else 0.0
-                sums["actor/skipped_steps"] += 0.0 if res.applied else 1.0
+                if actor:
+                    res = self.actor.step()
+                    sums["actor/grad_norm"] += res.grad_norm if math.isfinite(res.grad_norm) else 0.0
+                    sums["actor/skipped_steps"] += 0.0 if res.applied else 1.0
                 n_updates += 1
         for k, v in sums.items():
             metrics[k] = v if k == "actor/skipped_steps" else v / n_updates
-        metrics["actor/lr"] = self.actor.lr()
+        if actor:
+            metrics["actor/lr"] = self.actor.lr()
+        if self.critic is not None:
+            metrics["critic/lr"] = self.critic.lr()
+
+    def micro_value_loss(self, mb: RolloutBatch, norms: dict[str, float]) -> tuple[Tensor, dict[str, float]]:
+        """The clipped value loss of one micro-batch, normalised by the mini-batch's token count."""
+        mask = mb.loss_mask.to(self.device)
+        head = response_head_outputs(self.critic.module, mb.prompt_ids, mb.prompt_mask, mb.response_ids,
+                                     mb.response_mask)  # [n, T, K]
+        loss, cm = critic_loss(head, mb.values.to(self.device), mb.returns.to(self.device), mask,
+                               self.critic.module.spec, self.cfg.algo.value_clip, norms["num_tokens"])
+        share = mask.sum().item() / norms["num_tokens"]
+        out = {"critic/vf_loss": float(cm.pop("vf_loss"))}
+        cm.pop("explained_var", None)  # not additive over micro-batches: logged per step instead
+        out.update({f"critic/{k}": float(v) * share for k, v in cm.items()})
+        return loss, out
 
     def normalizers(self, mb: RolloutBatch) -> dict[str, float]:
         """Loss normalizers over the whole optimizer mini-batch: all micro-batches and all ranks."""
@@ -398,7 +501,7 @@ class Trainer:
     def summary(self) -> str:
         cfg, a, r, hw = self.cfg, self.cfg.algo, self.cfg.rollout, self.cfg.hw
         n_params = sum(p.numel() for p in self.actor.module.parameters())
-        p, g = r.prompts_per_step, r.n
+        p, g = self.P, self.G
         mb_traj = p * g // a.mini_batches
         lines = [
             "rlcli train",
@@ -413,8 +516,12 @@ class Trainer:
             f"(buffer {r.overlong_buffer_len} of {r.max_new_tokens} tokens) "
             f"dynamic_sampling={a.dynamic_sampling}",
             f"  reward         {dict(cfg.reward.weights)}",
+            f"  critic         "
+            + (f"{cfg.critic.head} head from {cfg.critic.path or 'the policy'}, lr {cfg.critic.lr}, "
+               f"value pretraining {self.pretrain_steps} steps" if self.critic is not None else "none"),
             "  batch units per step",
-            f"    prompts P            {p} ({self.p_local} per rank)",
+            f"    prompts P            {p} ({self.p_local} per rank)"
+            + (f", group sampling x{r.group_sampling_factor}" if a.group_sampling else ""),
             f"    responses/prompt G   {g}",
             f"    trajectories N=P*G   {p * g}",
             f"    mini-batches         {a.mini_batches} x {a.ppo_epochs} epoch(s) = "

@@ -55,3 +55,8 @@ def hogs_memory(response: str, ground_truth: str) -> float:
 def even_answer(response: str, ground_truth: str) -> float:
     """A scripted reward that ignores the response: every group has zero variance."""
     return float(int(ground_truth) % 2 == 0)
+
+
+def answer_digits(response: str, ground_truth: str) -> float:
+    """A scripted reward predictable from the prompt alone (a critic can learn it): answer length / 4."""
+    return len(ground_truth) / 4.0

@@ -3,6 +3,7 @@
 right multirun and collects runs into exact tables and a figure; `rlcli plot` draws arbitrary runs."""
 
 import csv
+import functools
 import json
 import math
 import subprocess
@@ -28,8 +29,15 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def make(overrides=()):
+    return _compose(tuple(overrides))
+
+
+@functools.cache  # the rung tests compose the same configs many times; they only read them
+def _compose(overrides: tuple[str, ...]):
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        return compose("config", overrides=list(overrides))
+        cfg = compose("config", overrides=list(overrides))
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
 
 
 def flat(cfg) -> dict:

@@ -376,7 +376,9 @@ def test_a_few_steps_reduce_the_loss_and_raise_explained_variance(policy_path, t
     mask = batch[3]
     # Fixed Monte-Carlo returns (γ = λ = 1, outcome reward on the last token): constant per row.
     returns = torch.tensor([1.0, -1.0, 0.5, -0.5])[:, None] * mask
-    opt = torch.optim.AdamW(critic.parameters(), lr=1e-3)
+    # lr 3e-3: the zero-initialised distributional head needs logit gaps of several units, which at
+    # 1e-3 take ~4x longer (15 steps: EV 0.31 vs 0.88 for the scalar head); 3e-3 fits all three.
+    opt = torch.optim.AdamW(critic.parameters(), lr=3e-3)
     losses, evs = [], []
     for _ in range(15):
         head_out = response_head_outputs(critic, *batch)

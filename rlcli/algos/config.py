@@ -101,6 +101,14 @@ class AlgoConfig:
     baseline_weights: str = "inv_sqrt_len"
     """`weighted_baseline` estimator weights: inv_sqrt_len (1/sqrt(|y|)) | uniform."""
 
+    # --- VAPO switches (arXiv:2504.05118 §3); their scale lives in `critic` and `rollout` ---------
+    value_pretrain: bool = False
+    """VAPO value pretraining: before any actor update, train only the critic on λ=1 returns of the
+    frozen initial policy for critic.pretrain_steps steps (50 in the paper)."""
+    group_sampling: bool = False
+    """VAPO group sampling: rollout.group_sampling_factor times fewer prompts, as many times more
+    responses each (same trajectories per step)."""
+
     # --- critic (DESIGN.md §5.4) ---------------------------------------------------------------
     value_clip: float | None = 0.5
     """ε_v: value-loss clip range around the old values; null = unclipped."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,11 +101,15 @@ class Engine:
     over ranks, while our losses are already divided by counts reduced over all ranks.
     """
 
-    def __init__(self, model: torch.nn.Module, hw: Any, optim: Any, total_steps: int, lr: float | None = None):
+    def __init__(
+        self, model: torch.nn.Module, hw: Any, optim: Any, total_steps: int,
+        lr: float | None = None, warmup_steps: int | None = None,
+    ):
         import deepspeed
         from transformers import get_scheduler
 
         lr = optim.lr if lr is None else lr
+        warmup_steps = optim.warmup_steps if warmup_steps is None else warmup_steps
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(
             params, lr=lr, betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay
@@ -114,9 +117,10 @@ class Engine:
         self.ds, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=opt, config=ds_config(hw, optim)
         )
+        # The schedule drives the torch optimizer's param groups, which DeepSpeed's wrappers
+        # (bf16, ZeRO >= 1) step; LambdaLR refuses the wrapper itself.
         self.scheduler = get_scheduler(
-            optim.scheduler, self.optimizer, num_warmup_steps=optim.warmup_steps,
-            num_training_steps=max(total_steps, 1),
+            optim.scheduler, opt, num_warmup_steps=warmup_steps, num_training_steps=max(total_steps, 1),
         )
         self.zero_stage = hw.zero_stage
         self.skipped_steps = 0
@@ -126,7 +130,7 @@ class Engine:
         return self.ds.module
 
     def lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
+        return self.scheduler.get_last_lr()[0]
 
     def backward(self, loss: torch.Tensor, last: bool) -> None:
         self.ds.set_gradient_accumulation_boundary(last)
@@ -188,7 +192,3 @@ def save_policy(module: torch.nn.Module, tokenizer: Any, path: str) -> None:
         os.replace(path, old)
     os.replace(tmp, path)
     shutil.rmtree(old, ignore_errors=True)
-
-
-def trainable(module: torch.nn.Module) -> Iterable[tuple[str, torch.nn.Parameter]]:
-    return ((n, p) for n, p in module.named_parameters() if p.requires_grad)
