@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 from rlcli import engine as eng
 from rlcli.algos.advantages import NEEDS_VALUES, AdvantageInputs, compute_advantages
-from rlcli.algos.functional import aggregate, aggregation_counts, gae, kl_estimate
+from rlcli.algos.functional import aggregate, aggregation_counts, gae, kl_estimate, positive_example_nll
 from rlcli.algos.kl import build_kl_controller
 from rlcli.algos.losses import POLICY_LOSSES
 from rlcli.batch import RolloutBatch
@@ -469,8 +469,7 @@ class Trainer:
             loss = loss + self.kl_ctl.value * kl_loss
             metrics["actor/kl_loss"] = kl_loss.item()
         if a.nll_coef:  # VAPO positive-example LM loss: NLL over tokens of correct responses
-            correct = (mb.acc > 0.5).to(self.device)[:, None]
-            nll = -(logp * mask * correct).sum() / norms["num_correct_tokens"]
+            nll = positive_example_nll(logp, mask, (mb.acc > 0.5).to(self.device), norms["num_correct_tokens"])
             loss = loss + a.nll_coef * nll
             metrics["actor/nll_loss"] = nll.item()
         return loss, metrics

@@ -584,3 +584,20 @@ def value_loss(
             "values_mean": masked_mean(values, m),
         }
     return loss, metrics
+
+
+def positive_example_nll(
+    logp: Tensor, mask: Tensor, correct: Tensor, num_tokens: Tensor | float | None = None
+) -> Tensor:
+    """VAPO's positive-example LM loss (arXiv:2504.05118 §3.4): mean NLL over the tokens of correct
+    responses, -Σ_{i: correct} Σ_t logp_it / Σ_{i: correct} |o_i|.
+
+    Shapes: logp [N, T], mask [N, T], correct [N] (bool or 0/1) -> scalar. `num_tokens` is the
+    normalizer reduced over the whole mini-batch (all micro-batches and ranks); default: this
+    batch's count of correct-response tokens. Incorrect responses get exactly zero gradient.
+    """
+    m = _valid(mask) & correct.bool()[:, None]  # [N, T]
+    if num_tokens is None:
+        num_tokens = m.sum()
+    nll = -torch.where(m, logp, torch.zeros_like(logp)).sum()
+    return nll / torch.as_tensor(num_tokens, dtype=logp.dtype).clamp(min=1)
