@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 ARGS ?=
 
-.PHONY: install train sft test test-fast lint bench ladder-dapo clean
+.PHONY: install train sft test test-fast lint bench ladder-dapo ladder-vapo clean
 
 install: $(STAMP)
 
@@ -30,6 +30,12 @@ test-fast: install  ## skip the end-to-end runs
 
 lint: install
 	$(VENV)/bin/ruff check rlcli tests
+
+ladder-dapo: install  ## DAPO Table 1 ladder on the tiny task, 3 seeds (see docs/ladders.md)
+	$(VENV)/bin/rlcli ladder dapo $(ARGS)
+
+ladder-vapo: install  ## VAPO Table 1 leave-one-out ladder on the tiny task, 3 seeds
+	$(VENV)/bin/rlcli ladder vapo $(ARGS)
 
 bench: install  ## speed and memory numbers, printed
 	$(VENV)/bin/python -m rlcli.bench $(ARGS)

@@ -1,7 +1,8 @@
 """`rlcli ladder <paper> [overrides...]`: rerun a paper's ablation ladder and tabulate it beside the paper.
 
 A ladder is a directory `recipes/<paper>/` of rungs `NN_<name>.yaml` (Hydra group `recipe`, see
-docs/ladders.md): rung k inherits rung k-1 and changes exactly the keys in its `ladder.changes`
+docs/ladders.md): rung k inherits its base, `ladder.base` (a leave-one-out row such as VAPO's names the
+full method) or else rung k-1, and changes exactly the keys in its `ladder.changes` relative to it
 (tests/test_ladder.py checks it). `rlcli ladder dapo` runs every rung x every seed as ONE Hydra
 multirun of `rlcli train` in a subprocess:
 
@@ -81,6 +82,16 @@ def rungs(paper: str, select: list[int] | None = None, recipes_dir: Path = RECIP
     return [f"{paper}/{p.stem}" for _, p in files]
 
 
+def base_index(base: str | None) -> int | None:
+    """Rung index of a `ladder.base` recipe name ("vapo/02_vapo" -> 2); None when there is no base."""
+    if not base:
+        return None
+    m = RUNG_FILE.match(Path(base).name + ".yaml")
+    if not m:
+        raise ValueError(f"ladder.base={base!r} is not a rung name like <paper>/NN_<name>")
+    return int(m.group(1))
+
+
 def load_defaults(paper: str, recipes_dir: Path = RECIPES_DIR) -> LadderDefaults:
     """recipes/<paper>/ladder.yaml checked against LadderDefaults (a typo fails), or the defaults."""
     from omegaconf import OmegaConf
@@ -154,6 +165,7 @@ def summarize(group: Group) -> dict[str, Any]:
         "index": lad.get("index"),
         "rung": group.label,
         "paper_score": lad.get("paper_score"),
+        "base": lad.get("base"),
         "acc_mean": mean(acc),
         "acc_std": std(acc),
         "acc_before": mean(before),
@@ -164,13 +176,28 @@ def summarize(group: Group) -> dict[str, Any]:
         "seeds": " ".join(str(r.seed) for r in done),
         "runs": len(group.runs),
         "finished": len(done),
+        "acc_delta": math.nan,  # filled by add_deltas
+        "paper_delta": math.nan,
     }
+
+
+def add_deltas(rows: list[dict[str, Any]]) -> None:
+    """For rungs with a `ladder.base` (VAPO's leave-one-out rows: full VAPO), the difference from the
+    base rung's row: ours (acc_mean) and the paper's. nan when the base rung did not run or has no number."""
+    by_index = {r["index"]: r for r in rows}
+    for r in rows:
+        b = by_index.get(base_index(r["base"]))
+        if b is None:
+            continue
+        r["acc_delta"] = r["acc_mean"] - b["acc_mean"]
+        if r["paper_score"] is not None and b["paper_score"] is not None:
+            r["paper_delta"] = r["paper_score"] - b["paper_score"]
 
 
 CSV_FORMAT = {  # column -> decimals (None: as is); nan is written as an empty cell
     "index": None, "rung": None, "paper_score": 1, "acc_mean": 2, "acc_std": 2, "acc_before": 2,
     "entropy_final": 4, "response_length": 2, "train_seconds_mean": 1, "train_seconds_total": 1,
-    "seeds": None, "runs": None, "finished": None,
+    "seeds": None, "runs": None, "finished": None, "base": None, "acc_delta": 2, "paper_delta": 1,
 }
 
 
@@ -197,6 +224,16 @@ def _acc_cell(row: dict[str, Any]) -> str:
     return cell + f" (n={row['finished']})"
 
 
+def _delta_cell(row: dict[str, Any]) -> str:
+    """"-3.0 / -5.4 (vs 2)": ours and the paper's change from the base rung; empty without a base."""
+    i = base_index(row["base"])
+    if i is None:
+        return ""
+    ours = "–" if math.isnan(row["acc_delta"]) else f"{row['acc_delta']:+.1f}"
+    paper = "–" if math.isnan(row["paper_delta"]) else f"{row['paper_delta']:+.1f}"
+    return f"{ours} / {paper} (vs {i})"
+
+
 def write_markdown(rows: list[dict[str, Any]], groups: list[Group], path: Path, meta: dict[str, Any],
                    defaults: LadderDefaults) -> None:
     cfg = groups[0].runs[0].config
@@ -207,24 +244,34 @@ def write_markdown(rows: list[dict[str, Any]], groups: list[Group], path: Path, 
         lines += ["Command:", "", "```bash", meta["argv"], "```", ""]
     if meta.get("command"):
         lines += ["Multirun it launched:", "", "```bash", meta["command"], "```", ""]
+    # Only ladders with based rungs (VAPO's leave-one-out rows) get the Δ column, beside ours.
+    deltas = any(r["base"] for r in rows)
     lines += [
         f"Model `{cfg.get('model', {}).get('name')}`, data `{data.get('name')}`, `steps={cfg.get('steps')}`, "
         f"P={cfg.get('rollout', {}).get('prompts_per_step')} prompts x G={cfg.get('rollout', {}).get('n')} responses.",
         "",
-        "| # | rung | paper | ours: held-out acc % (mean ± std) | before % | final entropy "
-        "| response length | s / run | s total |",
-        "|---:|---|---:|---|---:|---:|---:|---:|---:|",
+        "| # | rung | paper | ours: held-out acc % (mean ± std) |" + (" Δ vs base rung: ours / paper |" if deltas else "")
+        + " before % | final entropy | response length | s / run | s total |",
+        "|---:|---|---:|---|" + ("---:|" if deltas else "") + "---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {_fmt(r['index'], None)} | {r['rung']} | {_fmt(r['paper_score'], 1)} | {_acc_cell(r)} "
-            f"| {_fmt(r['acc_before'], 1)} | {_fmt(r['entropy_final'], 3)} | {_fmt(r['response_length'], 1)} "
+            + (f"| {_delta_cell(r)} " if deltas else "")
+            + f"| {_fmt(r['acc_before'], 1)} | {_fmt(r['entropy_final'], 3)} | {_fmt(r['response_length'], 1)} "
             f"| {_fmt(r['train_seconds_mean'], 0)} | {_fmt(r['train_seconds_total'], 0)} |"
         )
     total = sum(r["train_seconds_total"] for r in rows if r["finished"])
     lines += [
         "",
         f"- paper: {defaults.paper_metric or 'the number in the rung file (ladder.paper_score)'}.",
+    ]
+    if deltas:
+        lines.append(
+            "- Δ vs base rung: the row's accuracy minus that of the rung its `ladder.base` names (for a "
+            "leave-one-out row, the full method), ours and the paper's, in points; rows without a base are blank."
+        )
+    lines += [
         f"- ours: held-out accuracy after training on the first {eval_size} eval problems of `{data.get('name')}`, "
         f"k={ev.get('k')} response(s) per problem at temperature {ev.get('temperature')}; mean ± sample std "
         "(n-1) over seeds; `before` is the same evaluation of the initial policy.",
@@ -251,6 +298,7 @@ def collect(out: str | Path, recipes_dir: Path = RECIPES_DIR) -> list[dict[str, 
     defaults = load_defaults(paper, recipes_dir) if paper and (recipes_dir / paper).is_dir() else LadderDefaults()
     meta.setdefault("paper", paper)
     rows = [summarize(g) for g in groups]
+    add_deltas(rows)
     write_csv(rows, out / "results.csv")
     write_markdown(rows, groups, out / "results.md", meta, defaults)
     figure(groups, out / "figure.png", defaults.title or None)
@@ -278,7 +326,8 @@ def parser() -> argparse.ArgumentParser:
 
 def _report(rows: list[dict[str, Any]], out: Path) -> None:
     for r in rows:
-        print(f"  {_fmt(r['index'], None):>2} {r['rung']:<32} paper {_fmt(r['paper_score'], 1):>5}  ours {_acc_cell(r)}")
+        delta = f"  Δ {_delta_cell(r)}" if r["base"] else ""
+        print(f"  {_fmt(r['index'], None):>2} {r['rung']:<32} paper {_fmt(r['paper_score'], 1):>5}  ours {_acc_cell(r)}{delta}")
     print(f"wrote {out / 'results.md'}, {out / 'results.csv'}, {out / 'figure.png'}")
 
 

@@ -57,8 +57,13 @@ def knobs(cls: type, prefix: str = "") -> list[tuple[str, str, Any, str]]:
 
 
 def group_options(conf_dir: Path) -> dict[str, list[str]]:
+    """Options of every config group; recipes are listed as <paper>/<rung> (their ladder.yaml is not one)."""
     return {
-        d.name: sorted(p.stem for p in d.glob("*.yaml"))
+        d.name: sorted(
+            p.relative_to(d).with_suffix("").as_posix()
+            for p in d.rglob("*.yaml")
+            if p.name != "ladder.yaml"
+        )
         for d in sorted(conf_dir.iterdir())
         if d.is_dir() and not d.name.startswith(("_", "hydra"))
     }

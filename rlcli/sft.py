@@ -46,12 +46,12 @@ class WarmStartConfig:
 
     enabled: bool = True
     """Train before RL; if false the cached 'checkpoint' is the random initialisation."""
-    steps: int = 120
-    """Optimizer steps of supervised training (calibrated: greedy held-out acc ~45%)."""
+    steps: int = 200
+    """Optimizer steps of supervised training (calibrated in README: greedy held-out acc in 20-70%)."""
     batch_size: int = 64
     """Examples per optimizer step."""
-    lr: float = 3e-3
-    """Peak AdamW learning rate (tiny model, short run: high is right)."""
+    lr: float = 1e-3
+    """Peak AdamW learning rate (3e-3 measured 6% greedy after 120 steps; 1e-3 learns steadily)."""
     warmup: int = 10
     """Linear warmup steps, then cosine decay to 0."""
     seed: int = 0

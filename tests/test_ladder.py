@@ -1,6 +1,7 @@
-"""Paper ladders: every rung changes exactly its declared keys (STYLE.md habit 6) at any model scale;
-`algo=dapo` is the top DAPO rung minus overlong filtering (DESIGN.md §7); `rlcli ladder` builds the
-right multirun and collects runs into exact tables and a figure; `rlcli plot` draws arbitrary runs."""
+"""Paper ladders: every rung changes exactly its declared keys relative to its base (STYLE.md habit 6)
+at any model scale and composes into a valid config; `algo=dapo` is the top DAPO rung minus overlong
+filtering and `algo=vapo` is the full VAPO rung (DESIGN.md §7); `rlcli ladder` builds the right
+multirun and collects runs into exact tables and a figure; `rlcli plot` draws arbitrary runs."""
 
 import csv
 import functools
@@ -16,8 +17,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from rlcli import ladder
-from rlcli.config import register_configs
-from rlcli.ladder import LadderDefaults, build_command, collect, rungs
+from rlcli.config import register_configs, validate
+from rlcli.ladder import LadderDefaults, base_index, build_command, collect, rungs
 from rlcli.plot import figure, find_runs, group_runs
 
 register_configs()
@@ -64,14 +65,25 @@ def covered(diffs: set[str], declared: list[str]) -> tuple[set[str], set[str]]:
     return undeclared, {d for d, h in hits.items() if not h}
 
 
+def reference(names: list[str], index: int, base: str | None) -> str | None:
+    """The recipe a rung's `changes` are relative to: `ladder.base` when set (VAPO's leave-one-out rows
+    name the full method), else the previous rung; None for rung 0 (the plain defaults, no recipe)."""
+    return base or (names[index - 1] if index else None)
+
+
+SCALES = pytest.mark.parametrize("scale", [[], ["model=qwen2.5-32b"]], ids=["tiny", "qwen2.5-32b"])
+
+
 @pytest.mark.parametrize("paper,index", ALL_RUNGS)
-@pytest.mark.parametrize("scale", [[], ["model=qwen2.5-32b"]], ids=["tiny", "qwen2.5-32b"])
+@SCALES
 def test_rung_changes_exactly_its_declared_keys(paper, index, scale):
     names = rungs(paper, recipes_dir=RECIPES)
     cfg = make([f"recipe={names[index]}", *scale])
-    # Rung 0 declares its changes relative to the plain defaults (no recipe).
-    prev = make([f"recipe={names[index - 1]}", *scale] if index else scale)
     lad = cfg.ladder
+    ref = reference(names, index, lad.base)
+    if lad.base:  # an earlier rung of the same ladder
+        assert lad.base in names[:index], f"{names[index]}: ladder.base={lad.base} is not an earlier rung of {paper}"
+    prev = make([f"recipe={ref}", *scale] if ref else scale)
     assert (lad.paper, lad.index) == (paper, index), f"{names[index]}: ladder.paper/index do not match the file"
     assert names[index].split("/")[1].startswith(f"{index:02d}_")
     assert lad.rung and lad.paper_score is not None
@@ -79,6 +91,22 @@ def test_rung_changes_exactly_its_declared_keys(paper, index, scale):
     undeclared, unused = covered(d, list(lad.changes))
     assert not undeclared, f"{names[index]} changes {sorted(undeclared)} without declaring them in ladder.changes"
     assert not unused, f"{names[index]} declares {sorted(unused)} in ladder.changes but does not change them"
+
+
+@pytest.mark.parametrize("paper,index", ALL_RUNGS)
+def test_rung_inherits_its_base(paper, index):
+    """The first recipe in a rung's defaults list is what its `changes` are relative to (rule 2)."""
+    names = rungs(paper, recipes_dir=RECIPES)
+    defaults = OmegaConf.to_container(OmegaConf.load(RECIPES / f"{names[index]}.yaml")).get("defaults", [])
+    parents = [d.removeprefix("/recipe/") for d in defaults if isinstance(d, str) and d.startswith("/recipe/")]
+    ref = reference(names, index, make([f"recipe={names[index]}"]).ladder.base)
+    assert parents[:1] == ([ref] if ref else []), f"{names[index]} inherits {parents}, its changes are relative to {ref}"
+
+
+@pytest.mark.parametrize("paper,index", ALL_RUNGS)
+@SCALES
+def test_rung_composes_and_validates(paper, index, scale):
+    validate(make([f"recipe={rungs(paper, recipes_dir=RECIPES)[index]}", *scale]))
 
 
 @pytest.mark.parametrize("paper,index", ALL_RUNGS)
@@ -116,6 +144,53 @@ def test_algo_dapo_is_the_top_rung_without_overlong_filtering():
     a, b = (OmegaConf.to_container(c.algo, resolve=True) for c in (top, dapo))
     assert {k for k in a if a[k] != b[k]} - {"name"} == {"overlong_filter"}
     assert a["overlong_filter"] is True and b["overlong_filter"] is False
+
+
+VAPO_LEAVE_ONE_OUT = {  # rung -> (Table 1 row, paper score, the one key it flips, its value without the technique)
+    "vapo/03_no_value_pretrain": ("w/o value pretraining", 11.0, "algo.value_pretrain", False),
+    "vapo/04_no_decoupled_gae": ("w/o decoupled GAE", 33.0, "algo.lam_critic", 0.95),
+    "vapo/05_no_length_adaptive_gae": ("w/o length-adaptive GAE", 45.0, "algo.length_adaptive_alpha", None),
+    "vapo/06_no_clip_higher": ("w/o clip-higher", 46.0, "algo.clip_high", 0.2),
+    "vapo/07_no_token_level_loss": ("w/o token-level loss", 53.0, "algo.loss_agg", "seq_mean_token_mean"),
+    "vapo/08_no_positive_lm_loss": ("w/o positive-example LM loss", 54.0, "algo.nll_coef", 0.0),
+    "vapo/09_no_group_sampling": ("w/o group sampling", 55.0, "algo.group_sampling", False),
+}
+
+
+def test_vapo_ladder_is_the_papers_table():
+    """VAPO (arXiv:2504.05118) Table 1: vanilla PPO, the DAPO reference row, full VAPO, then the seven
+    leave-one-out rows, each one technique away from full VAPO."""
+    names = rungs("vapo", recipes_dir=RECIPES)
+    head = [(make([f"recipe={n}"]).ladder.rung, make([f"recipe={n}"]).ladder.paper_score,
+             make([f"recipe={n}"]).ladder.base) for n in names[:3]]
+    assert names[:3] == ["vapo/00_vanilla_ppo", "vapo/01_dapo", "vapo/02_vapo"]
+    assert head == [("vanilla PPO", 5.0, None), ("DAPO", 50.0, None), ("VAPO", 60.4, "vapo/00_vanilla_ppo")]
+    assert names[3:] == list(VAPO_LEAVE_ONE_OUT)
+    for name, (row, score, key, value) in VAPO_LEAVE_ONE_OUT.items():
+        lad = make([f"recipe={name}"]).ladder
+        assert (lad.rung, lad.paper_score, lad.base, list(lad.changes)) == (row, score, "vapo/02_vapo", [key])
+        assert OmegaConf.select(make([f"recipe={name}"]), key) == value, name
+    ppo = make(["recipe=vapo/00_vanilla_ppo"])
+    assert (ppo.algo.adv_estimator, ppo.algo.lam_actor, ppo.algo.lam_critic, ppo.algo.kl_coef) == ("gae", 0.95, 0.95, 0.0)
+    assert not ppo.algo.value_pretrain and ppo.reward.incorrect_score == -1.0
+    assert make(["recipe=vapo/01_dapo"]).algo.adv_estimator == "grpo"
+
+
+@SCALES
+def test_algo_vapo_is_the_full_vapo_rung(scale):
+    """Rung 2 is `algo=vapo` (its reward=dapo included), nothing more: the leave-one-out rows are
+    one switch away from the preset users run."""
+    rung = make(["recipe=vapo/02_vapo", *scale])
+    vapo = make(["algo=vapo", *scale])
+    a, b = (OmegaConf.to_container(c.algo, resolve=True) for c in (rung, vapo))
+    assert {k for k in a.keys() | b.keys() if a.get(k) != b.get(k)} - {"name"} == set()
+    assert diff(flat(rung), flat(vapo)) == set()
+
+
+def test_base_index():
+    assert (base_index("vapo/02_vapo"), base_index(None), base_index("")) == (2, None, None)
+    with pytest.raises(ValueError, match="ladder.base"):
+        base_index("vapo/full")
 
 
 # ---------------------------------------------------------------------------------------- command
@@ -157,17 +232,21 @@ RESULTS = {0: {1: (0.25, 0.40, 10.0), 2: (0.25, 0.50, 20.0), 3: (0.25, 0.60, 30.
            1: {1: (0.25, 0.70, 12.0), 2: (0.25, 0.80, 14.0)}}
 
 
-def fake_run(root: Path, job: int, rung: int, seed: int, finished=True, critic=False) -> Path:
-    name, index, score, algo = RUNG_META[rung]
+def fake_run(root: Path, job: int, rung: int, seed: int, finished=True, critic=False, paper="dapo", meta=None,
+             result=None) -> Path:
+    """A run directory as `rlcli train` leaves it; `meta` (rung, index, paper_score, algo.name, base) and
+    `result` (acc before, acc after, seconds) replace RUNG_META[rung] and RESULTS[rung][seed]."""
+    name, index, score, algo, base = meta or (*RUNG_META[rung], None)
     d = root / f"{job}_{algo}_seed{seed}"
     (d / ".hydra").mkdir(parents=True)
     cfg = {"algo": {"name": algo, "clip_high": 0.2}, "model": {"name": "tiny"},
            "data": {"name": "arith", "eval_size": 4}, "eval": {"size": None, "k": 1, "temperature": 0.0},
            "rollout": {"prompts_per_step": 2, "n": 2}, "steps": 20, "seed": seed, "run_dir": str(d),
-           "ladder": {"paper": "dapo", "rung": name, "index": index, "paper_score": score, "changes": []}}
+           "ladder": {"paper": paper, "rung": name, "index": index, "paper_score": score, "changes": [],
+                      "base": base}}
     (d / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
     (d / ".hydra" / "config.yaml").write_text("decoy: hydra's own unresolved copy\n")
-    before, after, secs = RESULTS[rung].get(seed, (0.0, 0.0, 0.0))
+    before, after, secs = result or RESULTS[rung].get(seed, (0.0, 0.0, 0.0))
     rows = [{"step": 0, "eval/acc_before": before}]
     for s in range(1, 21):
         row = {"step": s, "acc/mean": 0.1 * rung + s / 40, "actor/entropy": 1.0 + rung + seed / 10 - s / 100,
@@ -222,6 +301,39 @@ def test_collect_writes_exact_table(sweep):
     assert "5_dapo_01_overlong_filter_seed3" in md  # the unfinished run is listed
     assert "AIME24 avg@32" in md and "figure.png" in md
     assert (sweep / "figure.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_collect_shows_delta_vs_base_rung(tmp_path):
+    """VAPO's leave-one-out rows: accuracy change from the rung `ladder.base` names, ours and the paper's;
+    a row whose base did not run gets no number of ours; ladders without bases get no such column."""
+    runs = [  # meta (rung, index, paper_score, algo.name, base), accuracy after training per seed
+        (("vanilla PPO", 0, 5.0, "vapo_00_vanilla_ppo", None), [0.10, 0.20]),
+        (("VAPO", 2, 60.4, "vapo_02_vapo", "vapo/00_vanilla_ppo"), [0.60, 0.70]),
+        (("w/o value pretraining", 3, 11.0, "vapo_03_no_value_pretrain", "vapo/02_vapo"), [0.50, 0.55]),
+        (("w/o group sampling", 9, 55.0, "vapo_09_no_group_sampling", "vapo/08_absent"), [0.40, 0.40]),
+    ]
+    job = 0
+    for meta, accs in runs:
+        for seed, acc in enumerate(accs, 1):
+            fake_run(tmp_path, job, 0, seed, critic=True, paper="vapo", meta=meta, result=(0.1, acc, 5.0))
+            job += 1
+    rows = collect(tmp_path, RECIPES)
+    assert [r["index"] for r in rows] == [0, 2, 3, 9]
+    with open(tmp_path / "results.csv") as f:
+        csv_rows = list(csv.DictReader(f))
+    # VAPO 65 vs PPO 15 -> +50.00 (paper 60.4 - 5 = +55.4); w/o VP 52.5 vs 65 -> -12.50 (paper 11 - 60.4 = -49.4)
+    assert [(r["base"], r["acc_delta"], r["paper_delta"]) for r in csv_rows] == [
+        ("", "", ""), ("vapo/00_vanilla_ppo", "50.00", "55.4"), ("vapo/02_vapo", "-12.50", "-49.4"),
+        ("vapo/08_absent", "", "")]
+    md = (tmp_path / "results.md").read_text()
+    assert "| 3 | w/o value pretraining | 11.0 | 52.5 ± 3.5 (n=2) | -12.5 / -49.4 (vs 2) | 10.0 |" in md
+    assert "| 9 | w/o group sampling | 55.0 | 40.0 ± 0.0 (n=2) | – / – (vs 8) | 10.0 |" in md
+    assert "| 0 | vanilla PPO | 5.0 | 15.0 ± 7.1 (n=2) |  | 10.0 |" in md
+    assert "Δ vs base rung" in md
+    fake_run(tmp_path / "dapo", 0, 0, 1)  # a ladder without bases: the table keeps its plain columns
+    collect(tmp_path / "dapo", RECIPES)
+    dapo_md = (tmp_path / "dapo" / "results.md").read_text()
+    assert "Δ vs base rung" not in dapo_md and "| 0 | naive GRPO | 30.0 | 40.0 (n=1) | 25.0 |" in dapo_md
 
 
 def test_collect_cli_recollects(sweep, capsys):

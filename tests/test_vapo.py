@@ -131,3 +131,13 @@ def test_ppo_and_vapo_train_two_steps(algo, tmp_path, monkeypatch):
         assert all(not torch.equal(before[n], p) for n, p in t.actor.module.named_parameters())
     finally:
         t.rewards.close()
+
+
+def test_explained_variance_of_constant_returns_is_zero_not_one():
+    from rlcli.models.value import explained_variance
+
+    mask = torch.ones(2, 3)
+    assert explained_variance(torch.zeros(2, 3), -torch.ones(2, 3), mask).item() == 0.0
+    # and the ordinary case: V = ret exactly explains everything
+    ret = torch.tensor([[1.0, 2.0, 3.0], [0.0, -1.0, 5.0]])
+    assert explained_variance(ret, ret, mask).item() == pytest.approx(1.0)

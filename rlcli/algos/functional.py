@@ -578,9 +578,13 @@ def value_loss(
             mean = torch.where(m, x, zero).sum() / _nonzero_den(n)
             return torch.where(m, (x - mean) ** 2, zero).sum() / (n - 1).clamp_min(1)
 
+        # Returns with no variance leave nothing to explain: report 0, not the 1 the ratio gives
+        # (a constant batch must not look like a perfect critic, e.g. to pretraining's early stop).
+        var_ret = _var(returns)
+        ev = 1.0 - _var(returns - values) / (var_ret + 1e-8)
         metrics = {
             "vf_clipfrac": masked_mean(clip_active.to(values.dtype), m),
-            "explained_var": 1.0 - _var(returns - values) / (_var(returns) + 1e-8),
+            "explained_var": torch.where(var_ret > 1e-8, ev, torch.zeros_like(ev)),
             "values_mean": masked_mean(values, m),
         }
     return loss, metrics
