@@ -66,7 +66,7 @@ class MetricsLogger:
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
-        self.file = open(self.path, "a", buffering=1)
+        self.file = open(self.path, "a", buffering=1)  # noqa: SIM115 (open for the run's lifetime)
         if cfg.name == "wandb":
             import wandb
 

@@ -25,7 +25,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -58,7 +58,7 @@ class WarmStartConfig:
     """Seed of model init, training order and the sampled-accuracy probe."""
     eval_size: int = 200
     """Held-out problems used to measure greedy and sampled accuracy after training."""
-    cache_dir: Optional[str] = None
+    cache_dir: str | None = None
     """Cache root; None means $RLCLI_CACHE, else ~/.cache/rlcli. Not part of the cache key."""
 
 

@@ -367,7 +367,7 @@ class Trainer:
     def update(self, batch: RolloutBatch, metrics: dict[str, float], actor: bool = True) -> None:
         """ppo_epochs x mini_batches optimizer steps of the actor (unless `actor` is False, as in
         value pretraining) and of the critic when there is one, over the same mini-batches."""
-        a, hw = self.cfg.algo, self.cfg.hw
+        a = self.cfg.algo
         gen = torch.Generator().manual_seed(self.cfg.seed * 7919 + self.actor.ds.global_steps)
         groups = batch.groups
         sums: dict[str, float] = defaultdict(float)
@@ -443,7 +443,7 @@ class Trainer:
         mask = mb.loss_mask.to(self.device)  # [n, T]
         logp, entropy = response_logprobs(
             self.actor.module, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,
-            self.cfg.rollout.temperature, with_entropy=True,
+            self.cfg.rollout.temperature, with_entropy=True, entropy_grad=a.entropy_coef != 0,
         )  # [n, T] each
         if self.on_policy:  # DESIGN.md §5.3: ratio is exactly 1, its gradient is grad log pi
             old = torch.where(mb.stale[:, None].to(self.device), mb.old_logp.to(self.device), logp.detach()) \
@@ -515,7 +515,7 @@ class Trainer:
             f"(buffer {r.overlong_buffer_len} of {r.max_new_tokens} tokens) "
             f"dynamic_sampling={a.dynamic_sampling}",
             f"  reward         {dict(cfg.reward.weights)}",
-            f"  critic         "
+            "  critic         "
             + (f"{cfg.critic.head} head from {cfg.critic.path or 'the policy'}, lr {cfg.critic.lr}, "
                f"value pretraining {self.pretrain_steps} steps" if self.critic is not None else "none"),
             "  batch units per step",

@@ -62,9 +62,8 @@ def test_typo_inside_a_yaml_fails(tmp_path):
     bad = tmp_path / "conf"
     subprocess.run(["cp", "-r", str(CONF), str(bad)], check=True)
     (bad / "algo" / "typo.yaml").write_text("name: typo\nclip_hihg: 0.3\n")
-    with initialize_config_dir(config_dir=str(bad), version_base=None):
-        with pytest.raises(ConfigCompositionException) as e:
-            compose("config", overrides=["algo=typo"])
+    with initialize_config_dir(config_dir=str(bad), version_base=None), pytest.raises(ConfigCompositionException) as e:
+        compose("config", overrides=["algo=typo"])
     assert "clip_hihg" in str(e.value) + str(e.value.__cause__)
 
 

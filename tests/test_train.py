@@ -149,9 +149,9 @@ def test_cpu_x2_is_launched_by_rlcli_train(tmp_path):
 
 def one_update(tmp_path, name, nproc, extra=()):
     """The trainer's update on one fixed batch, in `nproc` processes; returns metrics and gradients."""
+    from conftest import CONF
     from hydra import compose, initialize_config_dir
 
-    from conftest import CONF
     from rlcli.config import register_configs
     from rlcli.engine import free_port
 

@@ -76,11 +76,13 @@ def response_logprobs(
     response_mask: Tensor,  # [n, T]
     temperature: float,
     with_entropy: bool = False,
+    entropy_grad: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs of the response tokens under `model`, logits divided by the sampling temperature.
 
     Returns (logp [n, T], entropy [n, T] or None). Position ids count only real tokens, so a
-    left-padded prompt sees the same positions as it did during generation.
+    left-padded prompt sees the same positions as it did during generation. The entropy is a
+    metric unless `entropy_grad` (an entropy bonus): then it stays in the autograd graph.
     """
     from rlcli.algos.functional import entropy_from_logits
 
@@ -92,5 +94,7 @@ def response_logprobs(
     logits = model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids, use_cache=False).logits
     logits = logits[:, tp - 1 : -1].float() / temperature  # [n, T, V] predicts response tokens
     logp = torch.log_softmax(logits, -1).gather(-1, response_ids.to(device).unsqueeze(-1)).squeeze(-1)
-    entropy = entropy_from_logits(logits) if with_entropy else None  # [n, T]
+    entropy = None
+    if with_entropy:
+        entropy = entropy_from_logits(logits if entropy_grad else logits.detach())  # [n, T]
     return logp, entropy
