@@ -282,9 +282,11 @@ def warm_start(
                 warmup=ws_cfg.warmup,
             )
         eval_start = time.perf_counter()
-        max_new = max_response_tokens(tokenizer, evals) + 8
-        greedy = greedy_accuracy(model, tokenizer, evals, max_new)
-        sampled = sampled_accuracy(model, tokenizer, evals, max_new, seed=ws_cfg.seed)
+        greedy = sampled = None  # not measured for a random init: it is ~0 and costs seconds
+        if ws_cfg.enabled and ws_cfg.eval_size > 0:
+            max_new = max_response_tokens(tokenizer, evals) + 8
+            greedy = greedy_accuracy(model, tokenizer, evals, max_new)
+            sampled = sampled_accuracy(model, tokenizer, evals, max_new, seed=ws_cfg.seed)
         report = {
             "key": key,
             "greedy_acc": greedy,
@@ -312,10 +314,10 @@ def warm_start(
                 raise
             shutil.rmtree(tmp)  # a concurrent run finished first; its entry is equivalent
         log.info(
-            "warm start: %s greedy %.1f%% sampled %.1f%% in %.0fs",
+            "warm start: %s greedy acc %s sampled acc %s in %.0fs",
             final,
-            100 * greedy,
-            100 * sampled,
+            greedy,
+            sampled,
             report["wall_seconds"],
         )
         return str(final)

@@ -290,27 +290,22 @@ class Trainer:
         return batch
 
     # ------------------------------------------------------------------ stage 4
-    def logprobs(self, model: torch.nn.Module, b: RolloutBatch) -> Tensor:
-        """Log-probs of `b`'s responses under `model`, micro-batched, no grad. -> [N, T]"""
+    def per_token(self, fn: Any, b: RolloutBatch) -> Tensor:
+        """fn(prompt_ids, prompt_mask, response_ids, response_mask) -> [n, T] over micro-batches of
+        `b`, without grad, zero on padding. -> [N, T]"""
         out = []
         with torch.no_grad():
             for idx in self.micro_batches(b, torch.arange(len(b))):
-                logp, _ = response_logprobs(
-                    model, b.prompt_ids[idx], b.prompt_mask[idx], b.response_ids[idx],
-                    b.response_mask[idx], self.cfg.rollout.temperature,
-                )
-                out.append(logp.cpu())
+                out.append(fn(b.prompt_ids[idx], b.prompt_mask[idx], b.response_ids[idx], b.response_mask[idx]).cpu())
         return torch.cat(out) * b.response_mask
 
+    def logprobs(self, model: torch.nn.Module, b: RolloutBatch) -> Tensor:
+        """Log-probs of `b`'s responses under `model` (temperature-scaled). -> [N, T]"""
+        return self.per_token(lambda *x: response_logprobs(model, *x, self.cfg.rollout.temperature)[0], b)
+
     def values(self, critic: torch.nn.Module, b: RolloutBatch) -> Tensor:
-        """Critic values of `b`'s response positions, micro-batched, no grad. -> [N, T]"""
-        out = []
-        with torch.no_grad():
-            for idx in self.micro_batches(b, torch.arange(len(b))):
-                out.append(response_values(
-                    critic, b.prompt_ids[idx], b.prompt_mask[idx], b.response_ids[idx], b.response_mask[idx]
-                ).cpu())
-        return torch.cat(out) * b.response_mask
+        """Critic values at `b`'s response positions. -> [N, T]"""
+        return self.per_token(lambda *x: response_values(critic, *x), b)
 
     def score(self, batch: RolloutBatch, step: int = 0) -> None:
         fresh = ~batch.stale  # [N] rows sampled this step (carried rows bring their own old_logp)

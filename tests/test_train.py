@@ -171,7 +171,7 @@ def one_update(tmp_path, name, nproc, extra=()):
     return torch.load(tmp_path / f"{name}.pt")
 
 
-@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean"])
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_sum_const"])
 def test_two_processes_and_micro_batches_give_the_same_step(tmp_path, agg):
     """Same batch: 1 process with one micro-batch, 1 process with micro-batches of 3, and 2 processes
     must give the same step-1 loss and the same gradient (all-reduced, accumulated, before clipping).
@@ -180,8 +180,8 @@ def test_two_processes_and_micro_batches_give_the_same_step(tmp_path, agg):
     near-zero gradient entries into differences of order lr·1e-2. Tolerances: 1e-5 relative on
     metrics, and on gradients 1e-5 of each tensor's largest entry, cover float32 summation
     order (gloo all-reduce, accumulation over backward calls); a per-micro-batch or per-rank
-    normalizer would be off by a factor of 2 or more. With seq_mean_token_mean the step-1 GRPO loss
-    is a sum of group-centred advantages, zero up to rounding, hence the absolute 1e-7.
+    normalizer would be off by a factor of 2 or more. With the sequence-level modes the step-1 GRPO
+    loss is a sum of group-centred advantages, zero up to rounding, hence the absolute 1e-7.
     """
     extra = [f"algo.loss_agg={agg}"]
     base = one_update(tmp_path, "one", 1, extra)

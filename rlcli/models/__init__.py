@@ -68,6 +68,22 @@ def load_policy(model_cfg: Any, path: str) -> tuple[torch.nn.Module, Any]:
     return model, tokenizer
 
 
+def joint_inputs(
+    prompt_ids: Tensor,  # [n, Tp] left-padded
+    prompt_mask: Tensor,  # [n, Tp]
+    response_ids: Tensor,  # [n, T] right-padded
+    response_mask: Tensor,  # [n, T]
+    device: torch.device,
+) -> dict[str, Tensor]:
+    """Model inputs for prompt + response, as policy and critic both read them: position ids count
+    only real tokens, so a left-padded prompt sees the positions it had during generation.
+    Outputs at [:, Tp-1 : -1] belong to the state before each response token."""
+    input_ids = torch.cat([prompt_ids, response_ids], 1).to(device)  # [n, Tp+T]
+    attn = torch.cat([prompt_mask, response_mask.to(prompt_mask.dtype)], 1).to(device)  # [n, Tp+T]
+    position_ids = (attn.cumsum(-1) - 1).clamp(min=0)  # [n, Tp+T]
+    return {"input_ids": input_ids, "attention_mask": attn, "position_ids": position_ids}
+
+
 def response_logprobs(
     model: torch.nn.Module,
     prompt_ids: Tensor,  # [n, Tp]
@@ -87,13 +103,10 @@ def response_logprobs(
     from rlcli.algos.functional import entropy_from_logits
 
     device = next(model.parameters()).device
-    input_ids = torch.cat([prompt_ids, response_ids], 1).to(device)  # [n, Tp+T]
-    attn = torch.cat([prompt_mask, response_mask.to(prompt_mask.dtype)], 1).to(device)  # [n, Tp+T]
-    position_ids = (attn.cumsum(-1) - 1).clamp(min=0)  # [n, Tp+T]
     tp = prompt_ids.shape[1]
-    logits = model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids, use_cache=False).logits
+    logits = model(**joint_inputs(prompt_ids, prompt_mask, response_ids, response_mask, device), use_cache=False).logits
     logits = logits[:, tp - 1 : -1].float() / temperature  # [n, T, V] predicts response tokens
-    logp = torch.log_softmax(logits, -1).gather(-1, response_ids.to(device).unsqueeze(-1)).squeeze(-1)
+    logp = torch.log_softmax(logits, -1).gather(-1, response_ids.to(device).unsqueeze(-1)).squeeze(-1)  # [n, T]
     entropy = None
     if with_entropy:
         entropy = entropy_from_logits(logits if entropy_grad else logits.detach())  # [n, T]

@@ -327,12 +327,12 @@ def response_head_outputs(
     state at position tp-1+t has seen the prompt and response tokens < t, and position ids count
     only real tokens, so extra left padding of a prompt changes nothing.
     """
+    from rlcli.models import joint_inputs
+
     device = next(critic.parameters()).device
-    input_ids = torch.cat([prompt_ids, response_ids], 1).to(device)  # [n, Tp+T]
-    attn = torch.cat([prompt_mask, response_mask.to(prompt_mask.dtype)], 1).to(device)  # [n, Tp+T]
-    position_ids = (attn.cumsum(-1) - 1).clamp(min=0)  # [n, Tp+T]
     tp = prompt_ids.shape[1]
-    head_out = critic(input_ids=input_ids, attention_mask=attn, position_ids=position_ids, return_head_outputs=True)
+    inputs = joint_inputs(prompt_ids, prompt_mask, response_ids, response_mask, device)
+    head_out = critic(**inputs, return_head_outputs=True)
     head_out = head_out[:, tp - 1 : -1]  # [n, T, K] state before each response token
     valid = response_mask.to(device).bool()[..., None]  # [n, T, 1]
     return torch.where(valid, head_out, torch.zeros_like(head_out))
