@@ -65,3 +65,23 @@ def test_non_finite_grad_norm_skips_the_step(bad):
     fill_grads(e, 1e-3)
     assert e.step().applied and e.skipped_steps == 1
     assert any(not torch.equal(before[n], p) for n, p in e.module.named_parameters())
+
+
+def test_single_process_ignores_inherited_launcher_env():
+    """A run started from a process that already has a group (WORLD_SIZE/MASTER_PORT in its env,
+    the port still bound) must make its own group on a free port, not collide with the parent's."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        env = {**os.environ, "WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(held.getsockname()[1])}
+        code = ("from rlcli import engine; from rlcli.config import HWConfig; "
+                "engine.init_distributed(HWConfig(num_threads=1)); print('world', engine.world_size())")
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "world 1" in out.stdout

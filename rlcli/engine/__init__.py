@@ -24,7 +24,9 @@ def init_distributed(hw: Any) -> None:
 
     if dist.is_available() and dist.is_initialized():
         return
-    if "WORLD_SIZE" not in os.environ:  # one process, not launched by torchrun: a private group
+    if hw.nproc == 1:
+        # One process: a private group on a free port, whatever launcher variables the environment
+        # inherited (a parent process's MASTER_PORT may still be bound by that parent).
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()))
     if hw.device == "cpu" and not hw.shm_comm:

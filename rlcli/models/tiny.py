@@ -12,6 +12,7 @@ prompts start without `<s>`. One character is one token, so `len(text)` is the t
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,10 +70,21 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def save_tiny_tokenizer(out_dir: str | Path = TOKENIZER_DIR) -> Path:
-    """(Re)write the shipped tokenizer files into `out_dir`."""
+def save_tiny_tokenizer(
+    out_dir: str | Path = TOKENIZER_DIR, tokenizer: PreTrainedTokenizerFast | None = None
+) -> Path:
+    """Write `tokenizer` (default: a fresh build, i.e. the shipped files) into `out_dir`.
+
+    transformers 5 records its backend class name ('TokenizersBackend'), which transformers 4
+    cannot load and rlcli.models.load_tokenizer does not recognise; we record the portable
+    'PreTrainedTokenizerFast', which both versions load with the same class.
+    """
     out_dir = Path(out_dir)
-    build_tiny_tokenizer().save_pretrained(str(out_dir))
+    (tokenizer or build_tiny_tokenizer()).save_pretrained(str(out_dir))
+    config_file = out_dir / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out_dir
 
 
