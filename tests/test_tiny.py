@@ -71,7 +71,19 @@ def test_model_is_seeded_and_generates(tok):
     assert out.shape[0] == 2 and prompt_len < out.shape[1] <= prompt_len + 5
 
 
-def test_sft_masks_prompt_and_lowers_loss(tok):
+def test_sft_targets_are_response_plus_eos(tok):
+    from rlcli.sft import _encode_examples
+
+    examples = arith_examples("train", 3, seed=0)
+    ids, mask, labels = _encode_examples(tok, examples)  # [3, L] each
+    for i, ex in enumerate(examples):
+        n, p = int(mask[i].sum()), len(ex["prompt"])
+        assert tok.decode(ids[i, :n]) == ex["prompt"] + ex["solution"] + tok.eos_token
+        assert (labels[i, :p] == -100).all() and (labels[i, n:] == -100).all()
+        assert tok.decode(labels[i, p:n]) == ex["solution"] + tok.eos_token
+
+
+def test_sft_lowers_loss(tok):
     model = build_tiny_model(SMALL, tok, seed=0)
     examples = arith_examples("train", 64, seed=0, max_digits=1)
     stats = sft_train(model, tok, examples, steps=12, batch_size=16, lr=1e-2, seed=0, progress=False)
@@ -88,6 +100,7 @@ def test_warm_start_is_cached_and_loadable(tmp_path, tok):
     assert report["train_steps"] == 2 and 0.0 <= report["greedy_acc"] <= 1.0
     mtime = (Path(path) / "warm_start.json").stat().st_mtime_ns
     assert warm_start(SMALL, ws, progress=False, max_digits=1) == path
+    assert warm_start(SMALL, ws, progress=False, min_digits=1, max_digits=1, ops="+") == path
     assert (Path(path) / "warm_start.json").stat().st_mtime_ns == mtime  # not retrained
     # Only the finished entry is left in the cache: no temp dirs.
     assert [p.name for p in Path(path).parent.iterdir()] == [Path(path).name]
@@ -103,6 +116,11 @@ def test_warm_start_is_cached_and_loadable(tmp_path, tok):
     assert loaded.decode(loaded(text)["input_ids"]) == text
     assert model.config.eos_token_id == loaded.eos_token_id
     model.generate(**loaded(["Q: 3+4=?\nA:"], return_tensors="pt"), max_new_tokens=3)
+
+
+def test_warm_start_rejects_unknown_task_args(tmp_path):
+    with pytest.raises(TypeError, match="digits"):
+        warm_start(SMALL, WarmStartConfig(cache_dir=str(tmp_path)), progress=False, digits=3)
 
 
 def test_warm_start_crash_leaves_no_entry(tmp_path, monkeypatch):

@@ -1,0 +1,44 @@
+"""Rollout invariants: the distribution the loss trains is the one that sampled (left padding,
+position ids, EOS masking included), and masks/truncation follow DESIGN.md §4."""
+
+import torch
+
+from rlcli.models import response_logprobs
+from rlcli.models.tiny import TinyModelConfig, build_tiny_model, load_tiny_tokenizer
+from rlcli.rollout.hf import generate, response_mask_from_ids
+
+
+def test_training_logprobs_equal_generate_sampling_scores():
+    tok = load_tiny_tokenizer()
+    model = build_tiny_model(TinyModelConfig(), tok, seed=0).eval()
+    prompts = ["Q: 313+897=?\nA:", "Q: 1+2=?\nA:", "Q: 45+6=?\nA:"]  # different lengths: left padding
+    tok.padding_side = "left"
+    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    assert (enc["attention_mask"] == 0).any()
+    torch.manual_seed(0)
+    out = model.generate(**enc, max_new_tokens=12, do_sample=True, temperature=0.7, top_k=0, top_p=1.0,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                         output_scores=True, return_dict_in_generate=True)
+    resp = out.sequences[:, enc["input_ids"].shape[1]:]  # [3, T]
+    sampled = torch.stack([s.log_softmax(-1) for s in out.scores], 1).gather(-1, resp[..., None]).squeeze(-1)
+    mask, _ = response_mask_from_ids(resp, tok.eos_token_id)
+    logp, _ = response_logprobs(model, enc["input_ids"], enc["attention_mask"], resp, mask, temperature=0.7)
+    assert ((sampled - logp) * mask).abs().max().item() < 1e-4
+
+
+def test_response_mask_includes_first_eos_and_flags_truncation():
+    eos = 2
+    ids = torch.tensor([[5, 6, 2, 0, 0], [5, 6, 7, 8, 9], [2, 0, 0, 0, 0]])
+    mask, truncated = response_mask_from_ids(ids, eos)
+    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+    assert truncated.tolist() == [False, True, False]
+
+
+def test_generate_returns_whole_groups():
+    tok = load_tiny_tokenizer()
+    model = build_tiny_model(TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64), tok, 0)
+    b = generate(model, tok, ["Q: 1+1=?\nA:", "Q: 22+3=?\nA:"], ["2", "25"], n=3, max_new_tokens=6,
+                 temperature=1.0, group_offset=10)
+    assert b.group_index.tolist() == [10, 10, 10, 11, 11, 11] and b.answers == ["2"] * 3 + ["25"] * 3
+    assert b.response_ids.shape[0] == 6 and (b.lengths <= 6).all()
+    assert (b.truncated == (b.lengths == 6) & (b.response_ids[:, -1] != tok.eos_token_id)).all()
