@@ -16,6 +16,7 @@ cosine schedule, warmup 10. Reproduce with `python -m rlcli.sft --steps S --batc
     150 x 32        2e-3   22%     10%           61 / 12 / 2               412
     150 x 32        1e-3   32%     22%           80 / 26 / 0               280
     200 x 32        1e-3   42%     33%           100 / 35 / 2              312   <- defaults
+    200 x 32, seed 1       58%     43%                                     844   (seed spread)
     300 x 16        1e-3   45%     35%           100 / 44 / 0              1215
 
 Idle-machine step time: 0.44 s at batch 32, 0.90 s at batch 64 (compute-bound, linear in
