@@ -40,7 +40,6 @@ class RolloutBatch:
     adv_values: Tensor | None = None  # [N, T] values GAE uses: V_aug with the seed option, else `values`
     advantages: Tensor | None = None  # [N, T]
     returns: Tensor | None = None  # [N, T]
-    token_rewards: Tensor | None = None  # [N, T]
     stale: Tensor | None = None  # [N] bool: carried over from an earlier step (dynamic sampling)
     extras: dict[str, Tensor] = field(default_factory=dict)  # per-trajectory [N] reward parts etc.
 

@@ -344,9 +344,8 @@ class Trainer:
 
     def advantage(self, batch: RolloutBatch, step: int, metrics: dict[str, float]) -> None:
         a = self.cfg.algo
-        batch.token_rewards = self.token_rewards(batch, metrics)
         inp = AdvantageInputs(
-            scores=batch.scores, token_rewards=batch.token_rewards, mask=batch.response_mask,
+            scores=batch.scores, token_rewards=self.token_rewards(batch, metrics), mask=batch.response_mask,
             group_index=batch.group_index, lengths=batch.lengths, values=batch.adv_values,
             step=step, total_steps=self.cfg.steps,
         )

@@ -167,9 +167,6 @@ class Engine:
     def train(self) -> None:
         self.ds.train()
 
-    def eval(self) -> None:
-        self.ds.eval()
-
 
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
     """An inference-only copy (the KL reference policy): no grads, eval mode."""
