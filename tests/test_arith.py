@@ -7,10 +7,13 @@ import pytest
 
 from rlcli.data.arith import (
     arith_examples,
+    carry_columns,
     extract_boxed,
     is_correct,
     is_eval_problem,
     make_example,
+    read_answer,
+    worked_steps,
 )
 
 _QUESTION = re.compile(r"^Q: (\d+)([+-])(\d+)=\?\nA:$")
@@ -88,3 +91,48 @@ def test_extract_boxed():
     assert extract_boxed("x \\boxed{1} y \\boxed{ 42 }") == "42"
     assert extract_boxed("no box") is None
     assert not is_correct("\\boxed{43}", "42")
+
+
+def test_forgotten_carries_by_hand():
+    # 347+85 forgetting the tens' carry: 7+5=12, 4+8=12 (no +1), then 3+0+1=4 -> 422.
+    flawed = make_example(347, 85, "+", frozenset({1}))
+    assert flawed["solution"] == " 7+5=12\n4+8=12\n3+0+1=4\n\\boxed{422}"
+    assert flawed["answer"] == "432"  # the ground truth never changes
+    assert make_example(347, 85, "+", frozenset({1, 2}))["solution"].endswith("3+0=3\n\\boxed{322}")
+    # 347-85 forgetting the hundreds' borrow: 3-0=3 -> 362.
+    assert make_example(347, 85, "-", frozenset({2}))["solution"] == " 7-5=2\n14-8=6\n3-0=3\n\\boxed{362}"
+    assert carry_columns(347, 85, "+") == [1, 2] and carry_columns(347, 85, "-") == [2]
+    assert carry_columns(123, 456, "+") == []
+
+
+def test_read_answer_is_the_true_answer_without_slips():
+    for ex in arith_examples("train", 1000, seed=2, min_digits=1, max_digits=4, ops="+-"):
+        a, op, b = _operands(ex["prompt"])
+        assert read_answer(worked_steps(a, b, op)) == ex["answer"]
+
+
+@pytest.mark.parametrize("slip", [0.3, 1.0])
+def test_carry_slip_makes_consistent_flawed_demonstrations(slip):
+    clean = arith_examples("train", 3000, seed=0, ops="+-")
+    flawed = arith_examples("train", 3000, seed=0, ops="+-", carry_slip=slip)
+    assert [ex["prompt"] for ex in flawed] == [ex["prompt"] for ex in clean]  # same problems
+    assert [ex["answer"] for ex in flawed] == [ex["answer"] for ex in clean]  # same ground truth
+    carried = wrong = 0
+    for ex in flawed:
+        steps = ex["solution"].strip().split("\n")[:-1]
+        assert extract_boxed(ex["solution"]) == read_answer(steps)  # the box follows the steps
+        a, op, b = _operands(ex["prompt"])
+        if carry_columns(a, b, op):
+            carried += 1
+            wrong += extract_boxed(ex["solution"]) != ex["answer"]
+        else:
+            assert ex["solution"] == make_example(a, b, op)["solution"]
+    # A slip on the first carry is an independent draw with probability `slip`, and a forgotten
+    # carry always changes the answer (it changes the column digit), so the flawed share of
+    # problems with carries is at least `slip`; with slip 1 every such demonstration is wrong.
+    if slip == 1.0:
+        assert wrong == carried
+    else:
+        assert slip - 0.05 < wrong / carried < 1 - (1 - slip) ** 3 + 0.05
+    with pytest.raises(ValueError, match="probability"):
+        arith_examples("train", 1, carry_slip=1.5)

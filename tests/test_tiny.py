@@ -16,7 +16,15 @@ from rlcli.models.tiny import (
     build_tiny_tokenizer,
     load_tiny_tokenizer,
 )
-from rlcli.sft import WarmStartConfig, greedy_accuracy, sampled_accuracy, sft_train, warm_start
+from rlcli.sft import (
+    WarmStartConfig,
+    greedy_accuracy,
+    sampled_accuracy,
+    sft_train,
+    task_args,
+    warm_start,
+    warm_start_key,
+)
 
 SMALL = TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
 
@@ -108,6 +116,8 @@ def test_warm_start_is_cached_and_loadable(tmp_path, tok):
     other = warm_start(SMALL, WarmStartConfig(steps=3, batch_size=4, eval_size=4, cache_dir=str(tmp_path)),
                        progress=False, max_digits=1)
     assert other != path
+    keys = {warm_start_key(SMALL, WarmStartConfig(carry_slip=slip), task_args()) for slip in (0.0, 0.5)}
+    assert len(keys) == 2  # imperfect demonstrations are a different warm start
 
     model = AutoModelForCausalLM.from_pretrained(path)
     loaded = PreTrainedTokenizerFast.from_pretrained(path)

@@ -38,38 +38,56 @@ def is_eval_problem(question: str) -> bool:
     return int.from_bytes(digest[:8], "big") % 100 < EVAL_PERCENT
 
 
-def worked_steps(a: int, b: int, op: str) -> list[str]:
-    """Column-by-column steps for `a op b` (units first); for '-' requires a >= b."""
+def worked_steps(a: int, b: int, op: str, forget: frozenset[int] = frozenset()) -> list[str]:
+    """Column-by-column steps for `a op b` (units first); for '-' requires a >= b.
+
+    `forget` holds the columns (0 = units) whose incoming carry or borrow the solver forgets: the
+    step is then written and computed without it, as a careless human would (see `carry_slips`).
+    """
     xs, ys = str(a)[::-1], str(b)[::-1]
     width = max(len(xs), len(ys))
     xs, ys = xs.ljust(width, "0"), ys.ljust(width, "0")
     steps, carry = [], 0
-    for x, y in zip(map(int, xs), map(int, ys)):
+    for col, (x, y) in enumerate(zip(map(int, xs), map(int, ys))):
+        carry_in = 0 if col in forget else carry
         if op == "+":
-            total = x + y + carry
-            steps.append(f"{x}+{y}{'+1' if carry else ''}={total}")
+            total = x + y + carry_in
+            steps.append(f"{x}+{y}{'+1' if carry_in else ''}={total}")
             carry = total // 10
         else:
-            borrow_in = carry
-            total = x - y - borrow_in
+            total = x - y - carry_in
             carry = int(total < 0)
             shown_x = x + 10 * carry  # '14-8=6': the borrowed ten is written into the column
-            steps.append(f"{shown_x}-{y}{'-1' if borrow_in else ''}={total + 10 * carry}")
+            steps.append(f"{shown_x}-{y}{'-1' if carry_in else ''}={total + 10 * carry}")
     return steps
 
 
-def make_example(a: int, b: int, op: str) -> dict:
-    """One problem as {prompt, answer, solution, difficulty}; the solution ends in \\boxed{answer}."""
+def read_answer(steps: list[str]) -> str:
+    """The answer a solver reads off its steps: the last column's result, then the units digit of
+    each earlier column's result, most significant first ('7+5=12', '4+8+1=13', '3+0+1=4' -> 432)."""
+    results = [step.rsplit("=", 1)[1] for step in steps]
+    return str(int(results[-1] + "".join(r[-1] for r in reversed(results[:-1]))))
+
+
+def carry_columns(a: int, b: int, op: str) -> list[int]:
+    """Columns (0 = units) that receive a carry (for '+') or a borrow (for '-') in `a op b`."""
+    terms = [len(re.split(r"[+-]", step.split("=")[0])) for step in worked_steps(a, b, op)]
+    return [col for col, n in enumerate(terms) if n == 3]  # 'x+y+1' / 'x-y-1': a third term
+
+
+def make_example(a: int, b: int, op: str, forget: frozenset[int] = frozenset()) -> dict:
+    """One problem as {prompt, answer, solution, difficulty}. The solution ends in \\boxed{} of what
+    its steps give: the true answer, unless `forget` makes it a flawed demonstration (worked_steps)."""
     if op not in OPS:
         raise ValueError(f"op={op!r} is not supported; valid: {OPS}")
     if op == "-" and a < b:
         raise ValueError(f"subtraction needs a >= b (answers stay non-negative), got {a}-{b}")
     answer = str(a + b if op == "+" else a - b)
-    steps = worked_steps(a, b, op)
+    steps = worked_steps(a, b, op, forget)
     return {
         "prompt": f"Q: {a}{op}{b}=?\nA:",
         "answer": answer,
-        "solution": " " + "\n".join(steps) + f"\n\\boxed{{{answer}}}",
+        "solution": " " + "\n".join(steps) + f"\n\\boxed{{{read_answer(steps)}}}",
         "difficulty": max(len(str(a)), len(str(b))),
     }
 
@@ -85,22 +103,28 @@ def arith_examples(
     min_digits: int = 1,
     max_digits: int = 3,
     ops: str = "+",
+    carry_slip: float = 0.0,
 ) -> list[dict]:
     """`size` problems of `split` ('train' or 'eval'), drawn i.i.d. (repeats possible).
 
     Difficulty (digits of the longer operand) is uniform in [min_digits, max_digits]; the other
     operand has a uniform 1..difficulty digits. `ops` is a string of operators to draw uniformly
-    from, e.g. '+' or '+-'. Deterministic in (split, size, seed, min_digits, max_digits, ops), and
+    from, e.g. '+' or '+-'. `carry_slip` is the chance that a worked solution forgets each carry
+    or borrow it should take (`worked_steps`), for imperfect supervised demonstrations; the
+    problems drawn do not depend on it (slips come from their own random stream). Deterministic in (split, size, seed, min_digits, max_digits, ops), and
     a longer list extends a shorter one drawn with the same arguments.
     """
     if split not in SPLITS:
         raise ValueError(f"split={split!r}; valid splits: {SPLITS}")
     if not 1 <= min_digits <= max_digits:
         raise ValueError(f"need 1 <= min_digits <= max_digits, got {min_digits}, {max_digits}")
+    if not 0.0 <= carry_slip <= 1.0:
+        raise ValueError(f"carry_slip={carry_slip} must be a probability in [0, 1]")
     if not ops or any(op not in OPS for op in ops):
         raise ValueError(f"ops={ops!r}: use a non-empty string of operators from {OPS}")
     want_eval = split == "eval"
     rng = random.Random(f"arith/{split}/{seed}")  # str seeds hash via sha512: stable across runs
+    slips = random.Random(f"arith/{split}/{seed}/slips")
     out = []
     while len(out) < size:
         digits = rng.randint(min_digits, max_digits)
@@ -112,7 +136,8 @@ def arith_examples(
         elif rng.random() < 0.5:
             a, b = b, a  # the longer operand comes first or second equally often
         if is_eval_problem(f"{a}{op}{b}") == want_eval:
-            out.append(make_example(a, b, op))
+            forget = frozenset(c for c in carry_columns(a, b, op) if slips.random() < carry_slip)
+            out.append(make_example(a, b, op, forget))
     return out
 
 
