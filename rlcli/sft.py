@@ -31,7 +31,8 @@ forgotten with that probability, and the solution is computed on from the slip, 
 the flawed steps (`rlcli.data.arith.worked_steps`). The RL stage's ground truth is never flawed.
 Measured (1 thread, 200 held-out, 1-3 digits): slip 0.6 at 200 x 32 gives 39.5% greedy / 32%
 sampled, and every 2-digit problem with a carry is wrong under greedy decoding. 200 x 64 gives
-53% / 44.5%. README.md "What we measured about learning" reports the RL runs from these.
+53% / 44.5%. (Measured just before a fix to which random draws decide the slips; the slip
+probability per carry was the same.) README.md "What we measured about learning" reports the RL runs from these.
 """
 
 from __future__ import annotations

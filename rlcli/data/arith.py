@@ -42,7 +42,7 @@ def worked_steps(a: int, b: int, op: str, forget: frozenset[int] = frozenset()) 
     """Column-by-column steps for `a op b` (units first); for '-' requires a >= b.
 
     `forget` holds the columns (0 = units) whose incoming carry or borrow the solver forgets: the
-    step is then written and computed without it, as a careless human would (see `carry_slips`).
+    step is then written and computed without it, as a careless human would (see `arith_examples`' carry_slip).
     """
     xs, ys = str(a)[::-1], str(b)[::-1]
     width = max(len(xs), len(ys))
@@ -111,8 +111,8 @@ def arith_examples(
     operand has a uniform 1..difficulty digits. `ops` is a string of operators to draw uniformly
     from, e.g. '+' or '+-'. `carry_slip` is the chance that a worked solution forgets each carry
     or borrow it should take (`worked_steps`), for imperfect supervised demonstrations; the
-    problems drawn do not depend on it (slips come from their own random stream). Deterministic in (split, size, seed, min_digits, max_digits, ops), and
-    a longer list extends a shorter one drawn with the same arguments.
+    problems drawn do not depend on it (slips come from their own random stream). Deterministic
+    in all arguments, and a longer list extends a shorter one drawn with the same arguments.
     """
     if split not in SPLITS:
         raise ValueError(f"split={split!r}; valid splits: {SPLITS}")
