@@ -144,3 +144,21 @@ def test_warm_start_crash_leaves_no_entry(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="boom"):
         sft.warm_start(SMALL, ws, progress=False, max_digits=1)
     assert list((tmp_path / "warm_start").iterdir()) == []
+
+
+def test_warm_start_trains_on_slipped_demonstrations(tmp_path, monkeypatch):
+    import rlcli.sft as sft
+    from rlcli.data.arith import extract_boxed
+
+    seen = {}
+    real = sft.sft_train
+
+    def capture(model, tokenizer, examples, *args, **kwargs):
+        seen["examples"] = examples
+        return real(model, tokenizer, examples, *args, **kwargs)
+
+    monkeypatch.setattr(sft, "sft_train", capture)
+    ws = WarmStartConfig(steps=1, batch_size=64, eval_size=2, carry_slip=1.0, cache_dir=str(tmp_path))
+    sft.warm_start(SMALL, ws, progress=False, min_digits=2, max_digits=2)
+    wrong = [extract_boxed(ex["solution"]) != ex["answer"] for ex in seen["examples"]]
+    assert 0 < sum(wrong) < len(wrong)  # every carried demonstration slips; carry-free ones stay right
