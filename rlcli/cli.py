@@ -42,8 +42,13 @@ def _environment() -> None:
 
 def _run_dir(cfg: Any) -> str:
     from hydra.core.hydra_config import HydraConfig
-    from omegaconf import open_dict
+    from omegaconf import OmegaConf, open_dict
 
+    if not OmegaConf.is_missing(cfg, "run_dir"):
+        raise SystemExit(
+            f"run_dir={cfg.run_dir} is set by Hydra, not on the command line: pass "
+            f"hydra.run.dir={cfg.run_dir} (a single run) or hydra.sweep.dir={cfg.run_dir} (with -m)"
+        )
     out = HydraConfig.get().runtime.output_dir
     with open_dict(cfg):
         cfg.run_dir = out

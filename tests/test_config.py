@@ -117,3 +117,10 @@ def test_cli_typo_fails_before_any_model_is_built():
     assert out.returncode != 0
     assert "clip_hihg" in out.stderr + out.stdout
     assert "warm-start" not in out.stdout.lower()
+
+
+def test_run_dir_on_the_command_line_fails_with_the_hydra_key(tmp_path):
+    out = rlcli("train", f"run_dir={tmp_path}/x", f"hydra.run.dir={tmp_path}/h")
+    assert out.returncode != 0
+    assert f"hydra.run.dir={tmp_path}/x" in out.stderr + out.stdout  # the fix, spelled out
+    assert "warm-start" not in out.stdout.lower()
