@@ -78,8 +78,10 @@ def make(tmp_path, monkeypatch, *overrides):
 def test_value_pretraining_freezes_the_policy_trains_the_critic_and_ev_rises(tmp_path, monkeypatch):
     """A reward predictable from the prompt (answer length / 4) over a fixed set of 8 prompts: the
     critic can learn V(prompt), so explained variance on each fresh batch (measured before that
-    batch's update) rises. Measured 2026-11-22: 0.00 at step 1, ~0.18 at step 25 (critic lr 1e-3)."""
+    batch's update) rises. Measured 2026-11-22: 0.00 at step 1, ~0.18 at step 25 (critic lr 1e-3).
+    1-3-digit problems, so answer lengths (1-4 characters) and hence rewards vary across prompts."""
     t = make(tmp_path, monkeypatch, "algo=vapo", "algo.group_sampling=false", "data.train_size=8",
+             "data.min_digits=1", "data.max_digits=3",
              "rollout.prompts_per_step=8", "rollout.n=4", "critic.pretrain_steps=25", "critic.lr=1e-3",
              "+reward.weights.d=1.0", "+reward.custom.d=reward_fixtures.answer_digits")
     try:

@@ -39,9 +39,9 @@ class DataConfig:
     """Training prompts: arith generates this many; files keep at most this many usable rows, in file order (null = all)."""
     eval_size: int | None = 200
     """Held-out prompts: arith generates this many; files keep at most this many (null = all)."""
-    min_digits: int = 1
+    min_digits: int = 2
     """arith: smallest operand length (difficulty floor)."""
-    max_digits: int = 3
+    max_digits: int = 2
     """arith: largest operand length (difficulty ceiling)."""
     max_prompt_len: int = 256
     """Prompts longer than this many tokens (after template and chat template) are dropped and counted, never cut."""
