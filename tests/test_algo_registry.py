@@ -62,7 +62,7 @@ def make_inputs(kl_beta: float = 0.0, with_values: bool = True) -> AdvantageInpu
 @pytest.mark.parametrize("kl_beta", [0.0, 0.05])
 def test_every_estimator_is_finite_and_zero_when_masked(name, kl_beta):
     inp = make_inputs(kl_beta)
-    cfg = AlgoConfig(adv_estimator=name, length_adaptive_alpha=0.05 if name == "gae" else None)
+    cfg = AlgoConfig(adv_estimator=name, length_adaptive_gae=name == "gae")
     validate(cfg)
     adv, ret = compute_advantages(inp, cfg)
     for x in (adv, ret):
@@ -132,7 +132,7 @@ def test_gae_decoupled_and_length_adaptive():
     _, r_critic = F.gae(inp.token_rewards, inp.values, inp.mask, 1.0, 1.0)
     torch.testing.assert_close(ret, r_critic)  # critic targets use lambda_critic, unwhitened
     torch.testing.assert_close(adv, F.masked_whiten(a_actor, inp.mask))
-    cfg = AlgoConfig(adv_estimator="gae", lam_critic=1.0, length_adaptive_alpha=0.05, whiten_advantages=False)
+    cfg = AlgoConfig(adv_estimator="gae", lam_critic=1.0, length_adaptive_gae=True, whiten_advantages=False)
     adv, _ = compute_advantages(inp, cfg)
     lam = F.length_adaptive_lambda(inp.lengths, 0.05)  # all 0 here: every length < 20
     torch.testing.assert_close(adv, F.gae(inp.token_rewards, inp.values, inp.mask, 1.0, lam)[0])

@@ -149,7 +149,7 @@ def test_algo_dapo_is_the_top_rung_without_overlong_filtering():
 VAPO_LEAVE_ONE_OUT = {  # rung -> (Table 1 row, paper score, the one key it flips, its value without the technique)
     "vapo/03_no_value_pretrain": ("w/o value pretraining", 11.0, "algo.value_pretrain", False),
     "vapo/04_no_decoupled_gae": ("w/o decoupled GAE", 33.0, "algo.lam_critic", 0.95),
-    "vapo/05_no_length_adaptive_gae": ("w/o length-adaptive GAE", 45.0, "algo.length_adaptive_alpha", None),
+    "vapo/05_no_length_adaptive_gae": ("w/o length-adaptive GAE", 45.0, "algo.length_adaptive_gae", False),
     "vapo/06_no_clip_higher": ("w/o clip-higher", 46.0, "algo.clip_high", 0.2),
     "vapo/07_no_token_level_loss": ("w/o token-level loss", 53.0, "algo.loss_agg", "seq_mean_token_mean"),
     "vapo/08_no_positive_lm_loss": ("w/o positive-example LM loss", 54.0, "algo.nll_coef", 0.0),

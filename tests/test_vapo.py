@@ -37,7 +37,7 @@ def test_decoupled_length_adaptive_gae_hand_computed():
         values=torch.tensor([[0.5, 0.2, 0.4, 0.6], [0.3, -0.2, 9.0, 9.0]]),
     )
     cfg = AlgoConfig(adv_estimator="gae", gamma=1.0, lam_actor=0.95, lam_critic=1.0,
-                     length_adaptive_alpha=0.5, whiten_advantages=False)
+                     length_adaptive_gae=True, length_adaptive_alpha=0.5, whiten_advantages=False)
     adv, ret = compute_advantages(inp, cfg)
     torch.testing.assert_close(adv, torch.tensor([[-0.1, 0.4, 0.4, 0.4], [-0.5, -0.8, 0.0, 0.0]]))
     torch.testing.assert_close(ret, torch.tensor([[1.0, 1.0, 1.0, 1.0], [-1.0, -1.0, 0.0, 0.0]]))

@@ -152,10 +152,10 @@ def _gae_parts(inp: AdvantageInputs, cfg: AlgoConfig, name: str) -> tuple[Tensor
     """(actor advantages, critic returns), VAPO-decoupled: returns use λ_critic, advantages λ_actor."""
     values = _require_values(inp, name)
     lam_actor: float | Tensor = cfg.lam_actor
-    if cfg.length_adaptive_alpha is not None:
+    if cfg.length_adaptive_gae:
         lam_actor = F.length_adaptive_lambda(inp.lengths, cfg.length_adaptive_alpha)  # [N]
     adv, returns = F.gae(inp.token_rewards, values, inp.mask, cfg.gamma, cfg.lam_critic)
-    if cfg.length_adaptive_alpha is not None or cfg.lam_actor != cfg.lam_critic:
+    if cfg.length_adaptive_gae or cfg.lam_actor != cfg.lam_critic:
         adv, _ = F.gae(inp.token_rewards, values, inp.mask, cfg.gamma, lam_actor)
     return _whiten(adv, inp.mask, cfg), returns  # returns are taken before whitening
 

@@ -30,8 +30,11 @@ class AlgoConfig:
     """GAE λ for the actor's advantages (VAPO decoupled GAE: 0.95); plain PPO sets both λ equal."""
     lam_critic: float = 0.95
     """GAE λ for the critic's return targets (VAPO decoupled GAE: 1.0, i.e. Monte-Carlo returns)."""
-    length_adaptive_alpha: float | None = None
-    """VAPO length-adaptive GAE: λ_actor,i = 1 - 1/(α·l_i) per sequence (paper α = 0.05); null = off."""
+    length_adaptive_gae: bool = False
+    """VAPO length-adaptive GAE: the actor's λ is 1 - 1/(α·l_i) per sequence instead of lam_actor."""
+    length_adaptive_alpha: float = 0.05
+    """α of length-adaptive GAE (VAPO: 0.05). α·l_i is the horizon, so α scales inversely with response
+    length: a scale knob, set by model presets (model=tiny: 1.0)."""
     whiten_advantages: bool = True
     """Whiten advantages over the batch's valid tokens (gae, vapo_grpo_hybrid's GAE part, reinforce_pp,
     reinforce_pp_baseline); group estimators normalise per group and ignore it."""
@@ -151,11 +154,7 @@ def validate(cfg: Any) -> None:
     need(0.0 <= cfg.gamma <= 1.0, "gamma", "in [0, 1]")
     need(0.0 <= cfg.lam_actor <= 1.0, "lam_actor", "in [0, 1]")
     need(0.0 <= cfg.lam_critic <= 1.0, "lam_critic", "in [0, 1]")
-    need(
-        cfg.length_adaptive_alpha is None or cfg.length_adaptive_alpha > 0,
-        "length_adaptive_alpha",
-        "> 0 (VAPO: 0.05) or null",
-    )
+    need(cfg.length_adaptive_alpha > 0, "length_adaptive_alpha", "> 0 (VAPO: 0.05)")
     need(cfg.seq_reweight_alpha is None or cfg.seq_reweight_alpha >= 0, "seq_reweight_alpha", ">= 0 or null")
     need(cfg.ppo_epochs >= 1, "ppo_epochs", ">= 1")
     need(cfg.mini_batches >= 1, "mini_batches", ">= 1")
