@@ -496,6 +496,8 @@ class Trainer:
         n_params = sum(p.numel() for p in self.actor.module.parameters())
         p, g = self.P, self.G
         mb_traj = p * g // a.mini_batches
+        d = cfg.data
+        digits = f"{d.min_digits}" + (f"-{d.max_digits}" if d.max_digits != d.min_digits else "")
         lines = [
             "rlcli train",
             f"  run dir        {cfg.run_dir}",
@@ -526,7 +528,9 @@ class Trainer:
             f"({cfg.optim.scheduler}, warmup {cfg.optim.warmup_steps})",
             f"  lengths        max_new_tokens {r.max_new_tokens}, temperature {r.temperature}, "
             f"top_p {r.top_p}, top_k {r.top_k}",
-            f"  data           {cfg.data.name}: {len(self.train_prompts.examples)} train, "
+            f"  data           {cfg.data.name}"
+            + (f" ({digits}-digit operands)" if d.source == "arith" else "")
+            + f": {len(self.train_prompts.examples)} train, "
             f"{len(self.eval_examples)} eval prompts; {self.train_report.summary()}",
         ]
         return "\n".join(lines)

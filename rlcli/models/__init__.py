@@ -35,8 +35,10 @@ def resolve_model_path(model_cfg: Any, data_cfg: Any) -> tuple[str, str]:
         return model_cfg.path, "from model.path"
     from rlcli.sft import warm_start
 
-    path = warm_start(*as_objects(model_cfg.tiny, model_cfg.warm_start), **warm_start_data(data_cfg))
-    return path, "embedded tiny model, warm-started by `rlcli sft` (cached)"
+    tiny, ws = as_objects(model_cfg.tiny, model_cfg.warm_start)
+    path = warm_start(tiny, ws, **warm_start_data(data_cfg))
+    return path, (f"embedded tiny model, warm-started by `rlcli sft` (cached): {ws.steps}x{ws.batch_size} "
+                  f"demonstrations, carry_slip {ws.carry_slip}")
 
 
 def as_objects(*nodes: Any) -> list[Any]:
