@@ -169,7 +169,8 @@ def smooth(values: list[float], window: int) -> list[float]:
 def figure(groups: list[Group], out: str | Path, title: str | None = None) -> Path:
     """Training curves, one panel per metric, one line per group (mean over seeds, smoothed over ~10%
     of the steps, ±1 std band); a last panel compares held-out accuracy after training (and the
-    paper's number for ladder rungs) when result.json files exist. Written with the Agg backend."""
+    paper's number for ladder rungs, and a black tick at the accuracy before training) when
+    result.json files exist. Written with the Agg backend."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -209,6 +210,11 @@ def figure(groups: list[Group], out: str | Path, title: str | None = None) -> Pa
         ax.bar([x - 0.2 for x in xs], [mean(v) for v in ours],
                yerr=[0.0 if math.isnan(std(v)) else std(v) for v in ours], width=0.4,
                color=[colors(i % 10) for i in xs], label="ours: held-out acc after training", capsize=3)
+        before = [mean([100 * r.result["eval_before"]["eval/acc"] for r in g.runs
+                        if r.result and "eval_before" in r.result]) for g in groups]
+        if any(math.isfinite(b) for b in before):
+            ax.scatter([x - 0.2 for x in xs], before, marker="_", s=300, color="black", zorder=3,
+                       label="ours: before training")
         paper = [g.ladder.get("paper_score") for g in groups]
         if any(p is not None for p in paper):
             ax.bar([x + 0.2 for x in xs], [p if p is not None else 0.0 for p in paper], width=0.4,
