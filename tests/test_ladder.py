@@ -369,9 +369,10 @@ def test_plot_labels_plain_runs_by_dir_name(tmp_path):
 # ---------------------------------------------------------------------------------------- end to end
 @pytest.mark.slow
 def test_ladder_smoke_two_rungs(tmp_path):
+    """P=4 so that ladder.yaml's algo.mini_batches=4 divides it (the run then takes the off-policy path)."""
     out = tmp_path / "ladder"
     cmd = [sys.executable, "-m", "rlcli.cli", "ladder", "dapo", "--rungs", "0,1", "--out", str(out),
-           "steps=1", "model.warm_start.enabled=false", "rollout.prompts_per_step=2", "rollout.n=2",
+           "steps=1", "model.warm_start.enabled=false", "rollout.prompts_per_step=4", "rollout.n=2",
            "data.eval_size=4", "eval.before=false", "save=false", "seed=1"]
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
