@@ -124,3 +124,13 @@ def test_run_dir_on_the_command_line_fails_with_the_hydra_key(tmp_path):
     assert out.returncode != 0
     assert f"hydra.run.dir={tmp_path}/x" in out.stderr + out.stdout  # the fix, spelled out
     assert "warm-start" not in out.stdout.lower()
+
+
+def test_warm_start_range_is_the_same_whatever_the_rl_data():
+    """The tiny model's warm start trains on the data config's arith range for every data source, so
+    `model=tiny data=gsm8k` reuses the warm start `rlcli sft` builds (not arith_examples' own defaults)."""
+    from rlcli.models import warm_start_data
+    from rlcli.sft import task_args
+
+    assert task_args(**warm_start_data(make(["data=gsm8k"]).data)) == task_args(**warm_start_data(make().data))
+    assert warm_start_data(make(["data=gsm8k", "data.max_digits=3"]).data)["max_digits"] == 3

@@ -49,9 +49,8 @@ def as_objects(*nodes: Any) -> list[Any]:
 
 
 def warm_start_data(data_cfg: Any) -> dict[str, int]:
-    """The embedded task's difficulty range for the warm-start: the run's when it trains on arith."""
-    if data_cfg.source != "arith":
-        return {}
+    """The arith difficulty range the warm start trains on: data.min_digits..max_digits, which is the
+    run's task when it trains on arith, and the schema's default range (as `rlcli sft` uses) otherwise."""
     return {"min_digits": data_cfg.min_digits, "max_digits": data_cfg.max_digits}
 
 
