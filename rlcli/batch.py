@@ -34,7 +34,8 @@ class RolloutBatch:
     scores: Tensor | None = None  # [N] shaped outcome reward
     acc: Tensor | None = None  # [N] 1 if verified correct
     loss_mask: Tensor | None = None  # [N, T] response_mask minus overlong-filtered rows
-    old_logp: Tensor | None = None  # [N, T] log-probs of the sampling policy (temperature-scaled)
+    old_logp: Tensor | None = None  # [N, T] the trainer's log-probs of the sampling policy (temperature-scaled)
+    rollout_logp: Tensor | None = None  # [N, T] the sampler's own log-probs of its tokens (rollout correction)
     ref_logp: Tensor | None = None  # [N, T] reference policy log-probs (only with KL)
     values: Tensor | None = None  # [N, T] critic values at sampling time (value-clip centre)
     adv_values: Tensor | None = None  # [N, T] values GAE uses: V_aug with the seed option, else `values`
@@ -52,12 +53,16 @@ class RolloutBatch:
 
     @property
     def groups(self) -> Tensor:  # [P] unique group ids in order of first appearance
-        ids, first = [], set()
-        for g in self.group_index.tolist():
-            if g not in first:
-                first.add(g)
-                ids.append(g)
-        return torch.tensor(ids, dtype=torch.long)
+        return self.first_appearance(self.group_index)
+
+    @staticmethod
+    def first_appearance(group_index: Tensor) -> Tensor:
+        """[P] the distinct values of `group_index` [N] in order of first appearance."""
+        return torch.tensor(list(dict.fromkeys(group_index.tolist())), dtype=torch.long)
+
+    def replace(self, **changes: object) -> RolloutBatch:
+        """A copy with some fields replaced (the stages return new tensors; batches are not edited)."""
+        return replace(self, **changes)
 
     def select(self, idx: Tensor) -> RolloutBatch:
         """Rows `idx` (a [M] long tensor); tensors of every field are indexed alike."""

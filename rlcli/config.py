@@ -52,13 +52,14 @@ class ModelConfig:
 @dataclass
 class RolloutConfig:
     engine: str = "hf"
-    """Generation engine: hf (transformers generate with KV cache) | vllm (GPU only, optional extra)."""
+    """Generation engine, a ROLLOUT_ENGINES name (rlcli/rollout/): hf (transformers generate with KV cache)."""
     prompts_per_step: int = 16
     """P: prompts (groups) per training step, summed over all ranks."""
     n: int = 8
     """G: responses sampled per prompt (the group)."""
     gen_prompts_per_step: int | None = None
-    """Prompts per generation batch when dynamic sampling refills (DAPO); null = prompts_per_step."""
+    """Prompts per generation batch under dynamic sampling (DAPO; verl's recipe: 3 x prompts_per_step),
+    summed over all ranks; null = prompts_per_step. Used only with algo.dynamic_sampling."""
     max_new_tokens: int = 48
     """L_max: response budget in tokens; a response that reaches it without EOS is `truncated`."""
     overlong_buffer_len: int = 8
@@ -71,8 +72,6 @@ class RolloutConfig:
     """Top-k sampling (0 = off)."""
     gen_batch_size: int = 128
     """Memory only: sequences per generate call."""
-    group_sampling_factor: int = 2
-    """With algo.group_sampling: P / factor prompts and G * factor responses each (VAPO)."""
 
 
 @dataclass
@@ -211,12 +210,13 @@ def register_configs() -> None:
 
 
 def batch_units(cfg: Any) -> tuple[int, int]:
-    """(P, G) actually sampled per step: rollout.prompts_per_step and rollout.n, traded against each
-    other by VAPO group sampling (fewer prompts, more responses, same N = P*G)."""
+    """(P, G) sampled per step: rollout.prompts_per_step x rollout.n with group sampling (every group
+    estimator, and VAPO §4.3); without it, VAPO's other use of the same budget (its vanilla-PPO
+    baseline: "8192 prompts, with each prompt sampled once"): P*G prompts x 1 response."""
     r = cfg.rollout
     if cfg.algo.group_sampling:
-        return r.prompts_per_step // r.group_sampling_factor, r.n * r.group_sampling_factor
-    return r.prompts_per_step, r.n
+        return r.prompts_per_step, r.n
+    return r.prompts_per_step * r.n, 1
 
 
 def validate(cfg: DictConfig | Any) -> None:
@@ -231,11 +231,6 @@ def validate(cfg: DictConfig | Any) -> None:
     validate_data(cfg.data)
     validate_critic(cfg.critic)
     r, hw, a = cfg.rollout, cfg.hw, cfg.algo
-    if a.group_sampling and (r.group_sampling_factor < 1 or r.prompts_per_step % r.group_sampling_factor):
-        raise ValueError(
-            f"algo.group_sampling needs rollout.prompts_per_step={r.prompts_per_step} divisible by "
-            f"rollout.group_sampling_factor={r.group_sampling_factor} (>= 1)"
-        )
     p, _ = batch_units(cfg)
     if p % hw.nproc:
         raise ValueError(
@@ -247,6 +242,12 @@ def validate(cfg: DictConfig | Any) -> None:
         raise ValueError(
             f"per-rank prompts ({p}/{hw.nproc}={per_rank_p}) are not divisible by "
             f"algo.mini_batches={a.mini_batches}: a mini-batch holds whole groups; change one of them"
+        )
+    gen = r.gen_prompts_per_step
+    if gen is not None and (gen < 1 or gen % hw.nproc):
+        raise ValueError(
+            f"rollout.gen_prompts_per_step={gen} must be >= 1 and divisible by hw.nproc={hw.nproc} (each rank "
+            f"generates whole groups for an equal share of every generation batch), e.g. {3 * p} (verl's 3 x P)"
         )
     for key, value, low in (
         ("rollout.n", r.n, 1),
@@ -272,12 +273,39 @@ def validate(cfg: DictConfig | Any) -> None:
         raise ValueError(f"eval.k={cfg.eval.k} samples need eval.temperature > 0 (greedy gives k copies)")
     if any(not 1 <= j <= cfg.eval.k for j in cfg.eval.pass_ks):
         raise ValueError(f"eval.pass_ks={list(cfg.eval.pass_ks)} must lie in [1, eval.k={cfg.eval.k}]")
-    if r.engine not in ("hf", "vllm"):
-        raise ValueError(f"rollout.engine={r.engine!r}: choose hf or vllm")
-    if r.engine == "vllm" and hw.device != "cuda":
-        raise ValueError("rollout.engine=vllm needs hw.device=cuda; use rollout.engine=hf on CPU")
+    from rlcli.rollout import ROLLOUT_ENGINES
+
+    ROLLOUT_ENGINES.check(r.engine, "rollout.engine")
+    validate_switches(cfg)
     if cfg.logger.name not in ("stdout", "wandb"):
         raise ValueError(f"logger.name={cfg.logger.name!r}: choose stdout or wandb")
+
+
+def validate_switches(cfg: Any) -> None:
+    """A switch that is on must act: reject the combinations in which one would silently do nothing."""
+    from rlcli.algos.advantages import GROUP_ESTIMATORS, NEEDS_VALUES
+
+    a, c = cfg.algo, cfg.critic
+    needs_critic = {
+        "algo.value_pretrain=true": a.value_pretrain,
+        f"critic.aug_w0={c.aug_w0}": c.aug_w0 is not None,
+    }
+    for what, on in needs_critic.items():
+        if on and a.adv_estimator not in NEEDS_VALUES:
+            raise ValueError(
+                f"{what} trains or mixes a critic, but algo.adv_estimator={a.adv_estimator} builds none: use "
+                f"one of {', '.join(sorted(NEEDS_VALUES))} (algo=ppo or algo=vapo), or turn it off"
+            )
+    if c.aug_w0 is not None and not a.value_pretrain:
+        raise ValueError(
+            f"critic.aug_w0={c.aug_w0} mixes in the value model frozen after value pretraining: set "
+            "algo.value_pretrain=true, or critic.aug_w0=null"
+        )
+    if not a.group_sampling and a.adv_estimator in GROUP_ESTIMATORS:
+        raise ValueError(
+            f"algo.group_sampling=false samples each prompt once, but algo.adv_estimator={a.adv_estimator} "
+            "compares the responses of a group: keep algo.group_sampling=true, or use gae / reinforce_pp"
+        )
 
 
 def load_frozen(path: str) -> DictConfig:

@@ -12,7 +12,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from rlcli.eval_metrics import extract_final_answer, summarize
+from rlcli.answers import extract_final_answer_or_none
+from rlcli.eval_metrics import summarize
 from rlcli.rollout.hf import generate
 
 
@@ -39,7 +40,7 @@ def sample_and_verify(
                 "prompt": e["prompt"],
                 "answer": e["answer"],
                 "responses": [b.texts[j] for j in rows],
-                "answers": [extract_final_answer(b.texts[j]) for j in rows],
+                "answers": [extract_final_answer_or_none(b.texts[j]) for j in rows],  # what the reward read
                 "correct": [bool(out.acc[j] > 0.5) for j in rows],
                 "response_length": [lengths[j] for j in rows],
                 "truncated": [bool(truncated[j]) for j in rows],

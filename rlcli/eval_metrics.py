@@ -7,11 +7,11 @@ Names follow the field's habits (DESIGN.md §8):
              (Chen et al. 2021, "Evaluating Large Language Models Trained on Code", eq. 1);
   maj@k      the majority-voted final answer of the k samples is correct (self-consistency).
 
-`extract_final_answer` reads a response's final answer the way the math rewards ask for it: the
-content of the last `\\boxed{...}` (balanced braces) or of the last `Answer:` line, whichever comes
-later. `normalize_answer` is deliberately simple (whitespace, `$`, spacing macros, `\\dfrac`,
-thousands separators); it decides only which answers vote together, never correctness, which
-stays with the verifier's per-response verdicts.
+Answers come from the reward's own extractor, `rlcli.answers.extract_final_answer` (through
+`extract_final_answer_or_none`: a response the reward rejects as malformed gives no answer), so
+maj@k votes on exactly the answers the reward verified. `normalize_answer` is deliberately simple
+(whitespace, `$`, spacing macros, `\\dfrac`, thousands separators); it decides only which answers
+vote together, never correctness, which stays with the verifier's per-response verdicts.
 """
 
 from __future__ import annotations
@@ -19,80 +19,10 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 
-_BOX_MACROS = ("\\boxed", "\\fbox")
-_ANSWER_LINE = re.compile(r"(?i)answer\s*:[ \t]*([^\n]*)")
+from rlcli.answers import extract_final_answer_or_none
+
 _NUMBER_WITH_COMMAS = re.compile(r"-?\d{1,3}(,\d{3})+(\.\d+)?")
 _DECIMAL = re.compile(r"-?\d+\.\d+")
-
-
-def _box_at(text: str, start: int) -> tuple[str | None, int]:
-    """Content of the box whose macro starts at `start`, and where the macro starts (for ordering).
-
-    `\\boxed{...}` is read with balanced braces; escaped braces `\\{ \\}` do not count. The
-    brace-less form `\\boxed 5` reads up to whitespace or `$`. An unclosed box gives None.
-    """
-    macro = next(m for m in _BOX_MACROS if text.startswith(m, start))
-    i = start + len(macro)
-    if text.startswith(" ", i) and not text[i:].lstrip(" ").startswith("{"):
-        rest = text[i:].lstrip(" ")
-        token = re.match(r"[^\s$]+", rest)
-        return (token.group(0) if token else None), start
-    while i < len(text) and text[i] == " ":
-        i += 1
-    if i >= len(text) or text[i] != "{":
-        return None, start
-    depth, j = 0, i
-    while j < len(text):
-        ch = text[j]
-        if ch == "\\" and j + 1 < len(text) and text[j + 1] in "{}":
-            j += 2  # an escaped brace is content, not structure
-            continue
-        if ch == "{":
-            depth += 1
-        elif ch == "}":
-            depth -= 1
-            if depth == 0:
-                return text[i + 1 : j], start
-        j += 1
-    return None, start
-
-
-def last_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}` (or `\\fbox{...}`) in `text`, stripped; None if there is no
-    box or the last one never closes (a truncated response does not fall back to an earlier box)."""
-    starts = [m.start() for m in re.finditer(r"\\(?:boxed|fbox)(?![A-Za-z])", text)]
-    if not starts:
-        return None
-    content, _ = _box_at(text, starts[-1])
-    return content.strip() if content is not None else None
-
-
-def _last_answer_line(text: str) -> tuple[str | None, int]:
-    """Content of the last `Answer:` line (case-insensitive, like DAPO's reward) and its position."""
-    matches = list(_ANSWER_LINE.finditer(text))
-    if not matches:
-        return None, -1
-    last = matches[-1]
-    content = last.group(1).strip()
-    boxed = last_boxed(content)  # "Answer: \boxed{5}" means 5
-    if boxed is not None:
-        content = boxed
-    content = content.strip().strip("$").strip()
-    return (content or None), last.start()
-
-
-def extract_final_answer(text: str) -> str | None:
-    """The response's final answer: the last `\\boxed{}` content (balanced braces) or the last
-    `Answer:` line's content, whichever starts later in the text; None if neither is present."""
-    starts = [m.start() for m in re.finditer(r"\\(?:boxed|fbox)(?![A-Za-z])", text)]
-    box_pos = starts[-1] if starts else -1
-    answer, answer_pos = _last_answer_line(text)
-    if answer_pos > box_pos:
-        return answer
-    if box_pos >= 0:
-        content, _ = _box_at(text, box_pos)
-        return content.strip() if content is not None else None
-    return None
 
 
 def normalize_answer(answer: str) -> str:
@@ -188,7 +118,10 @@ def summarize(
     if all("answers" in p or "responses" in p for p in per_prompt):
         majs = []
         for p in per_prompt:
-            answers = p["answers"] if "answers" in p else [extract_final_answer(r) for r in p["responses"]]
+            if "answers" in p:
+                answers = p["answers"]
+            else:
+                answers = [extract_final_answer_or_none(r) for r in p["responses"]]
             majs.append(maj_at_k(answers, p["correct"]))
         out[f"eval/maj@{k}"] = sum(majs) / len(majs)
     for key, name in (("response_length", "eval/response_length"), ("truncated", "eval/truncated_frac")):

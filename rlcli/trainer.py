@@ -1,16 +1,17 @@
-"""The one orchestrating loop (DESIGN.md §3). Each training step reads as the paper pseudo-code:
+"""The one orchestrating loop. Each training step reads as the papers' pseudo-code, one stage per line of
+`Trainer.train_step`, each stage a method that returns what it makes:
 
-    1 rollout    P prompts -> G responses each (whole groups per rank)
-    2 reward     responses -> task reward `score` and correctness `acc`
-    3 shape      soft overlong punishment, overlong filter; dynamic sampling drops groups whose `acc`
-                 has no variance and refills (surplus groups are carried to the next step)
-    4 score      old log-probs (skipped on-policy), reference log-probs (only with KL)
-    5 advantage  ADVANTAGES[algo.adv_estimator]
+    1 rollout    P prompts -> G responses each (whole groups per rank)          collect
+    2 reward     responses -> task reward `score` and correctness `acc`          collect
+    3 shape      soft overlong punishment, overlong filter; dynamic sampling     collect (rlcli.rollout)
+    4 score      old log-probs (skipped on-policy), reference log-probs (only with KL), values (critic)
+    5 advantage  token rewards (minus the in-reward KL), then ADVANTAGES[algo.adv_estimator]
     6 update     ppo_epochs x mini_batches optimizer steps, each over micro-batches, with loss
                  normalizers reduced over the whole mini-batch (all micro-batches, all ranks)
     7 log/eval/save
 
-Algorithms never fork this loop: they are a config plus registered functions.
+Algorithms never fork this loop: they are a config plus registered functions. VAPO value pretraining
+runs the same stages 1-5 and an update of the critic alone.
 """
 
 from __future__ import annotations
@@ -31,38 +32,43 @@ from tqdm.auto import tqdm
 
 from rlcli import engine as eng
 from rlcli.algos.advantages import NEEDS_VALUES, AdvantageInputs, compute_advantages
-from rlcli.algos.functional import aggregate, aggregation_counts, gae, kl_estimate, positive_example_nll
+from rlcli.algos.functional import (
+    aggregate,
+    aggregation_counts,
+    kl_estimate,
+    positive_example_nll,
+    rollout_correction_weights,
+)
 from rlcli.algos.kl import build_kl_controller
 from rlcli.algos.losses import POLICY_LOSSES
 from rlcli.batch import RolloutBatch
 from rlcli.config import batch_units
 from rlcli.data import PromptStream, load_split
+from rlcli.engine.collectives import agree_min, all_reduce, global_stats
 from rlcli.metrics import MetricsLogger, Timer, peak_mem_gb
 from rlcli.models import DTYPES, load_policy, resolve_model_path, response_logprobs
 from rlcli.models.value import (
     augmented_values,
     critic_loss,
-    explained_variance,
     load_critic,
     response_head_outputs,
     response_values,
 )
 from rlcli.rewards import RewardManager
-from rlcli.rollout.hf import generate
+from rlcli.rollout import ROLLOUT_ENGINES
+from rlcli.rollout.sampler import DynamicSamplingExhausted, GroupSampler
 from rlcli.rollout.shaping import shape
+from rlcli.summary import startup_summary
+
+__all__ = ["DynamicSamplingExhausted", "Trainer", "seed_everything"]
+
+REWARD_COUNTS = ("timeouts", "errors", "restarts")  # reward metrics that are counts: summed, not averaged
 
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-COUNTS = ("timeouts", "errors", "restarts")  # reward metrics that are counts: summed, not averaged
-
-
-class DynamicSamplingExhausted(RuntimeError):
-    pass
 
 
 class Trainer:
@@ -73,9 +79,9 @@ class Trainer:
         self.main = self.rank == 0
         seed_everything(cfg.seed)
         a, r = cfg.algo, cfg.rollout
-        self.P, self.G = batch_units(cfg)  # after VAPO group sampling
+        self.P, self.G = batch_units(cfg)  # as sampled (VAPO group sampling)
         self.p_local = self.P // self.world  # prompts (groups) per rank per step
-        self.gen_p_local = (r.gen_prompts_per_step or self.P) // self.world
+        self.gen_p_local = (r.gen_prompts_per_step or self.P) // self.world if a.dynamic_sampling else self.p_local
         self.on_policy = a.mini_batches == 1 and a.ppo_epochs == 1 and not (a.kl_coef > 0 and a.kl_in_reward)
 
         # Model, reference, engine. The tiny default is warm-started once (rank 0 first, then cached).
@@ -99,7 +105,7 @@ class Trainer:
         if a.adv_estimator in NEEDS_VALUES:
             critic = load_critic(cfg.critic, self.model_path, DTYPES[cfg.model.dtype]).to(self.device)
             self.critic = eng.Engine(
-                critic, cfg.hw, cfg.optim, self.optimizer_steps + self.pretrain_steps * a.mini_batches,
+                critic, cfg.hw, cfg.optim, self.optimizer_steps + self.pretrain_steps * a.mini_batches * a.ppo_epochs,
                 lr=cfg.critic.lr, warmup_steps=cfg.critic.warmup_steps,
             )
 
@@ -108,7 +114,9 @@ class Trainer:
         self.train_prompts = PromptStream(train, cfg.seed, cfg.data.shuffle, self.rank, self.world)
         evals, _ = load_split(cfg.data, "eval", cfg.seed, tokenizer=self.tokenizer)
         self.eval_examples = evals[: cfg.eval.size] if cfg.eval.size else evals
-        self.carry: RolloutBatch | None = None  # surplus informative groups (dynamic sampling)
+        self.generate = ROLLOUT_ENGINES[r.engine]
+        self.sampler = GroupSampler(self.p_local, a.dynamic_sampling, a.filter_metric, a.max_gen_batches,
+                                    a.train_on_partial, agree=agree_min)
         self.next_group = self.rank * 10**9  # group ids unique across ranks and steps
         self.logger = MetricsLogger(
             cfg.logger, cfg.run_dir, OmegaConf.to_container(cfg, resolve=True), enabled=self.main
@@ -117,7 +125,7 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, Any]:
         cfg = self.cfg
-        self.print(self.summary())
+        self.print(startup_summary(self))
         result: dict[str, Any] = {}
         if cfg.eval.before:
             result["eval_before"] = self.evaluate()
@@ -156,24 +164,47 @@ class Trainer:
         self.rewards.close()
         return result
 
+    def train_step(self, step: int) -> dict[str, float]:
+        timer, t0 = Timer(), time.perf_counter()
+        batch, sampled = self.collect(timer)  # 1-3 rollout, reward, shape (+ dynamic sampling)
+        with timer("score"):  # 4
+            batch = batch.replace(**self.score(batch, step))
+        with timer("advantage"):  # 5
+            rewards, kl = self.token_rewards(batch)
+            advantages, returns = self.advantages(batch, rewards, step)
+            batch = batch.replace(advantages=advantages, returns=returns)
+        kl_metrics = self.update_kl_controller(batch, kl)
+        with timer("update"):  # 6
+            updated = self.update(batch)
+        n_tokens = all_reduce(batch.response_mask.sum()).item()
+        return {
+            **sampled, **self.batch_metrics(batch), **kl_metrics, **updated, **timer.metrics(),
+            "timing_s/step": time.perf_counter() - t0,
+            "perf/tokens_per_s": n_tokens / max(timer.seconds["rollout"], 1e-9),
+            "perf/peak_mem_gb": peak_mem_gb(),
+        }
+
     def pretrain_critic(self) -> dict[str, float]:
-        """VAPO value pretraining (arXiv:2504.05118 §3.1): roll out the frozen initial policy and train
-        only the critic on Monte-Carlo (λ = 1) returns, for critic.pretrain_steps steps or until the
-        explained variance of a fresh batch, measured before its update, reaches the threshold."""
-        c, a = self.cfg.critic, self.cfg.algo
+        """VAPO value pretraining (arXiv:2504.05118 §4.1, "value network warmup for 50 steps"): the same
+        stages 1-5 on rollouts of the frozen initial policy, Monte-Carlo returns (λ_critic = 1), then an
+        update of the critic alone; critic.pretrain_steps steps or until the explained variance of a fresh
+        batch, measured before its update, reaches critic.pretrain_ev_threshold."""
+        c = self.cfg.critic
+        monte_carlo = OmegaConf.merge(self.cfg.algo, {"lam_critic": 1.0})
         out: dict[str, float] = {"steps": 0}
         bar = tqdm(range(1, self.pretrain_steps + 1), desc="value pretraining", disable=not self.main)
         for k in bar:
-            timer, m = Timer(), {}
-            batch = self.collect(timer, m)
+            timer = Timer()
+            batch, _ = self.collect(timer)
             with timer("score"):
-                batch.values = batch.adv_values = self.values(self.critic.module, batch)
-            batch.returns = gae(self.token_rewards(batch, m), batch.values, batch.response_mask, a.gamma, 1.0)[1]
-            ev = explained_variance(batch.values, batch.returns, batch.loss_mask).item()
+                batch = batch.replace(**self.score(batch, 0))
+            with timer("advantage"):
+                rewards, _ = self.token_rewards(batch)
+                batch = batch.replace(returns=self.advantages(batch, rewards, 0, monte_carlo)[1])
+            ev = self.explained_variance(batch)
             with timer("update"):
-                self.update(batch, m, actor=False)
-            m.update(timer.metrics())
-            m["critic/explained_var"] = ev
+                m = self.update(batch, actor=False)
+            m.update({**timer.metrics(), "critic/explained_var": ev})
             self.logger.log({f"pretrain/{key}": v for key, v in m.items()} | {"pretrain/step": k}, step=0)
             bar.set_postfix(ev=f"{ev:.3f}", vf_loss=f"{m['critic/vf_loss']:.4f}")
             out.update(steps=k, explained_var=ev, vf_loss=m["critic/vf_loss"])
@@ -181,113 +212,65 @@ class Trainer:
                 break
         if c.aug_w0 is not None:
             self.v_pretrained = eng.frozen_copy(self.critic.module)
-        self.carry = None  # groups sampled for pretraining never reach the actor
+        self.sampler.carry = None  # groups sampled for pretraining never reach the actor
         return out
 
-    def train_step(self, step: int) -> dict[str, float]:
-        timer, metrics = Timer(), {}
-        t0 = time.perf_counter()
-        # 1-3. rollout -> reward -> shape, refilled until P informative groups per step.
-        batch = self.collect(timer, metrics)
-        # 4. score: log-probs of the sampling policy and of the reference.
-        with timer("score"):
-            self.score(batch, step)
-        # 5. advantage.
-        with timer("advantage"):
-            self.advantage(batch, step, metrics)
-        # 6. update.
-        with timer("update"):
-            self.update(batch, metrics)
-        metrics.update(timer.metrics())
-        metrics["timing_s/step"] = time.perf_counter() - t0
-        n_tokens = eng.all_reduce_sum(batch.response_mask.sum()).item()
-        metrics["perf/tokens_per_s"] = n_tokens / max(timer.seconds["rollout"], 1e-9)
-        metrics["perf/peak_mem_gb"] = peak_mem_gb()
-        return metrics
-
     # ------------------------------------------------------------------ stages 1-3
-    def collect(self, timer: Timer, metrics: dict[str, float]) -> RolloutBatch:
-        """Generate, reward and shape batches of prompts until this rank holds P/world groups.
-
-        Without dynamic sampling that is exactly one generation batch. With it, groups whose filter
-        metric has zero variance are dropped and new batches are generated, at most
-        `algo.max_gen_batches`; surplus kept groups are carried to the next step with their
-        sampling-time log-probs (DESIGN.md §5.1).
-        """
+    def collect(self, timer: Timer) -> tuple[RolloutBatch, dict[str, float]]:
+        """Generate, reward and shape batches of prompts until this rank holds P/world groups (one batch
+        without dynamic sampling). -> (the step's batch, its sampling metrics over all ranks)"""
         a, r = self.cfg.algo, self.cfg.rollout
-        parts = [self.carry] if self.carry is not None else []
-        self.carry = None
-        kept = len(parts[0].groups) if parts else 0
-        carried = kept
-        pool_acc, pool_rewards, pool_n, gen_batches, shaped = 0.0, [], 0, 0, defaultdict(list)
-        generated_groups = 0
-        while kept < self.p_local:
-            if gen_batches == a.max_gen_batches:
-                if a.train_on_partial and kept > 0:
-                    break
-                raise DynamicSamplingExhausted(
-                    f"dynamic sampling found only {kept} informative groups of the {self.p_local} needed "
-                    f"per rank after algo.max_gen_batches={a.max_gen_batches} generation batches of "
-                    f"{self.gen_p_local} prompts: raise algo.max_gen_batches or "
-                    "rollout.gen_prompts_per_step, or set algo.train_on_partial=true"
-                )
-            n_prompts = self.gen_p_local if a.dynamic_sampling else self.p_local
-            prompts = self.train_prompts.take(n_prompts)
+        per_trajectory: dict[str, list[Tensor]] = defaultdict(list)
+        counts: dict[str, float] = defaultdict(float)
+
+        def sample() -> RolloutBatch:
+            prompts = self.train_prompts.take(self.gen_p_local)
             with timer("rollout"):
-                b = generate(
-                    self.actor.module, self.tokenizer, [p["prompt"] for p in prompts],
-                    [p["answer"] for p in prompts], self.G, r.max_new_tokens, r.temperature, r.top_p,
-                    r.top_k, r.gen_batch_size, group_offset=self.next_group,
-                )
-            self.next_group += n_prompts
-            gen_batches += 1
-            generated_groups += n_prompts
+                b = self.generate(
+                    self.actor.module, self.tokenizer, [p["prompt"] for p in prompts], [p["answer"] for p in prompts],
+                    self.G, r.max_new_tokens, r.temperature, r.top_p, r.top_k, r.gen_batch_size,
+                    group_offset=self.next_group, with_logprobs=a.rollout_correction != "none",
+                )  # [N_gen = gen_p_local * G rows]
+            self.next_group += len(prompts)
             with timer("reward"):
                 out = self.rewards(b.texts, b.answers)
-                b.scores, b.acc = out.score.clone(), out.acc
-                b.extras = {f"reward/{k}": v for k, v in out.parts.items()}
-                for k, v in out.metrics.items():
-                    if k.startswith("reward/") and not k.endswith(COUNTS):
-                        continue  # part means are recomputed below over the kept batch
-                    shaped[k].append(v)
+            for k in REWARD_COUNTS:
+                counts[f"reward/{k}"] += out.metrics[f"reward/{k}"]
             with timer("shape"):
-                for k, v in shape(b, a, r).items():
-                    shaped[k].append(v)
-            pool_acc += b.acc.sum().item()
-            pool_rewards.append(b.scores)
-            pool_n += len(b)
-            b.stale = torch.zeros(len(b), dtype=torch.bool)
-            if a.dynamic_sampling:
-                b = b.select_groups(informative_groups(b, a.filter_metric))
-            kept += len(b.groups)
-            parts.append(b)
-        batch = RolloutBatch.cat([p for p in parts if len(p)])
-        groups = batch.groups
-        if len(groups) > self.p_local:  # carry the surplus, scored now by the policy that sampled it
-            surplus = batch.select_groups(groups[self.p_local :])
-            surplus.old_logp = self.logprobs(self.actor.module, surplus)
-            surplus.stale = torch.ones(len(surplus), dtype=torch.bool)
-            self.carry = surplus
-            batch = batch.select_groups(groups[: self.p_local])
-        for k, v in shaped.items():
-            metrics[k] = float(np.sum(v) if k.endswith(COUNTS) else np.mean(v))
-        for k, v in batch.extras.items():
-            metrics[f"{k}"] = v.float().mean().item()
-        lengths = batch.lengths.float()
-        metrics.update({
-            "reward/mean": batch.scores.mean().item(),
-            "reward/std": batch.scores.std().item() if len(batch) > 1 else 0.0,
-            "acc/mean": batch.acc.mean().item(),
-            "acc/pool_mean": pool_acc / max(pool_n, 1),
-            "reward/pool_mean": torch.cat(pool_rewards).mean().item() if pool_rewards else float("nan"),
-            "response_length/mean": lengths.mean().item(),
-            "response_length/max": lengths.max().item(),
-            "response_length/clip_ratio": batch.truncated.float().mean().item(),
-            "dynamic_sampling/gen_batches": gen_batches,
-            "dynamic_sampling/kept_fraction": (kept - carried) / max(generated_groups, 1),
-            "dynamic_sampling/carried": carried,
+                extras = {f"reward/{k}": v for k, v in out.parts.items()}
+                b, shaped = shape(b.replace(scores=out.score.clone(), acc=out.acc, extras=extras), a, r)
+            for k, v in shaped.items():
+                per_trajectory[k].append(v)
+            return b
+
+        batch, pool, sampling = self.sampler.collect(sample, lambda b: self.logprobs(self.actor.module, b))
+        return batch, self.sampling_metrics(batch, pool, per_trajectory, {**counts, **sampling})
+
+    def sampling_metrics(self, batch: RolloutBatch, pool: list[RolloutBatch], per_trajectory: dict[str, list[Tensor]],
+                         counts: dict[str, float]) -> dict[str, float]:
+        """Reward, accuracy, length and dynamic-sampling metrics of a step over all ranks: means over the
+        trained batch, `pool_mean`s over every trajectory generated, counts summed."""
+        stats = global_stats({
+            "reward": batch.scores, "acc": batch.acc, "response_length": batch.lengths.float(),
+            "response_length/clip_ratio": batch.truncated.float(),
+            "reward/pool_mean": torch.cat([p.scores for p in pool] or [torch.zeros(0)]),
+            "acc/pool_mean": torch.cat([p.acc for p in pool] or [torch.zeros(0)]),
+            **batch.extras, **{k: torch.cat(v) for k, v in per_trajectory.items()},
         })
-        return batch
+        keys = sorted(counts)
+        total = dict(zip(keys, all_reduce(torch.tensor([counts[k] for k in keys], dtype=torch.float64)).tolist()))
+        metrics = {k: v["mean"] for k, v in stats.items() if k not in ("reward", "acc", "response_length") and v["n"]}
+        metrics.update({k: total[k] for k in keys if k.startswith("reward/")})
+        return metrics | {
+            "reward/mean": stats["reward"]["mean"], "reward/std": stats["reward"]["std"],
+            "acc/mean": stats["acc"]["mean"],
+            "response_length/mean": stats["response_length"]["mean"],
+            "response_length/max": stats["response_length"]["max"],
+            "dynamic_sampling/gen_batches": counts["dynamic_sampling/gen_batches"],
+            "dynamic_sampling/kept_fraction": total["dynamic_sampling/kept_groups"]
+            / max(total["dynamic_sampling/generated_groups"], 1.0),
+            "dynamic_sampling/carried": total["dynamic_sampling/carried"],
+        }
 
     # ------------------------------------------------------------------ stage 4
     def per_token(self, fn: Any, b: RolloutBatch) -> Tensor:
@@ -307,60 +290,82 @@ class Trainer:
         """Critic values at `b`'s response positions. -> [N, T]"""
         return self.per_token(lambda *x: response_values(critic, *x), b)
 
-    def score(self, batch: RolloutBatch, step: int = 0) -> None:
-        fresh = ~batch.stale  # [N] rows sampled this step (carried rows bring their own old_logp)
-        if not self.on_policy and fresh.any():
-            if batch.old_logp is None:
-                batch.old_logp = torch.zeros_like(batch.response_mask)
-            idx = fresh.nonzero().squeeze(-1)
-            batch.old_logp[idx] = self.logprobs(self.actor.module, batch.select(idx))
+    def score(self, batch: RolloutBatch, step: int) -> dict[str, Tensor]:
+        """-> {old_logp, ref_logp, values, adv_values} [N, T] each, those this run uses. old_logp is the
+        trainer's log-prob of the sampling policy: computed for fresh rows unless the update is on-policy
+        (then it is logp.detach() in the loss); carried rows bring the one recorded when they were sampled."""
+        out: dict[str, Tensor] = {}
+        fresh = (~batch.stale).nonzero().squeeze(-1)  # [n_fresh]
+        if not self.on_policy and len(fresh):
+            old = batch.old_logp.clone() if batch.old_logp is not None else torch.zeros_like(batch.response_mask)
+            old[fresh] = self.logprobs(self.actor.module, batch.select(fresh))
+            out["old_logp"] = old
         if self.ref is not None:
-            batch.ref_logp = self.logprobs(self.ref, batch)
+            out["ref_logp"] = self.logprobs(self.ref, batch)
         if self.critic is not None:
-            batch.values = batch.adv_values = self.values(self.critic.module, batch)
-            if self.v_pretrained is not None:  # seed-001 option: V_aug = w(t) V_pre + (1 - w(t)) V
+            out["values"] = out["adv_values"] = self.values(self.critic.module, batch)
+            if self.v_pretrained is not None:  # option: V_aug = w(t) V_pre + (1 - w(t)) V
                 c = self.cfg.critic
-                batch.adv_values = augmented_values(
-                    batch.values, self.values(self.v_pretrained, batch), step, self.cfg.steps, c.aug_w0, c.aug_kappa
-                ) * batch.response_mask
+                v_pre = self.values(self.v_pretrained, batch)
+                out["adv_values"] = augmented_values(out["values"], v_pre, step, self.cfg.steps, c.aug_w0,
+                                                     c.aug_kappa) * batch.response_mask
+        return out
 
     # ------------------------------------------------------------------ stage 5
-    def token_rewards(self, batch: RolloutBatch, metrics: dict[str, float]) -> Tensor:
-        """[N, T]: the shaped outcome reward on each response's last token, minus β·KL per token
-        when the KL penalty is in the reward (PPO, RLOO, REINFORCE++)."""
+    def token_rewards(self, batch: RolloutBatch) -> tuple[Tensor, Tensor | None]:
+        """-> (rewards [N, T]: the shaped outcome reward on each response's last token, minus β·KL_t per
+        token when the KL penalty is in the reward (PPO, RLOO, REINFORCE++); that KL_t [N, T] or None)."""
         a = self.cfg.algo
         n, t = batch.response_mask.shape
         last = (batch.lengths - 1).clamp(min=0)  # [N] index of the last response token
         rewards = torch.zeros(n, t)  # [N, T]
         rewards[torch.arange(n), last] = batch.scores
-        if self.ref is not None and a.kl_in_reward:
-            kl = kl_estimate(batch.old_logp, batch.ref_logp, a.kl_estimator) * batch.response_mask  # [N, T]
-            rewards = rewards - self.kl_ctl.value * kl
-            tot = eng.all_reduce_sum(torch.stack([kl.sum(), batch.response_mask.sum()]))
-            metrics["actor/reward_kl"] = (tot[0] / tot[1]).item()
-            self.kl_ctl.update(metrics["actor/reward_kl"], n)
-            metrics["actor/kl_coef"] = self.kl_ctl.value
-        return rewards
+        if self.ref is None or not a.kl_in_reward:
+            return rewards, None
+        kl = kl_estimate(batch.old_logp, batch.ref_logp, a.kl_estimator) * batch.response_mask  # [N, T]
+        return rewards - self.kl_ctl.value * kl, kl
 
-    def advantage(self, batch: RolloutBatch, step: int, metrics: dict[str, float]) -> None:
-        a = self.cfg.algo
+    def advantages(self, batch: RolloutBatch, rewards: Tensor, step: int, algo: Any = None) -> tuple[Tensor, Tensor]:
+        """-> (advantages [N, T], returns [N, T]) of `algo` (default: the run's), over the loss mask."""
         inp = AdvantageInputs(
-            scores=batch.scores, token_rewards=self.token_rewards(batch, metrics), mask=batch.response_mask,
-            group_index=batch.group_index, lengths=batch.lengths, values=batch.adv_values,
-            step=step, total_steps=self.cfg.steps,
+            scores=batch.scores, token_rewards=rewards, mask=batch.loss_mask, group_index=batch.group_index,
+            lengths=batch.lengths, values=batch.adv_values, step=step, total_steps=self.cfg.steps,
         )
-        batch.advantages, batch.returns = compute_advantages(inp, a)  # [N, T] each
-        valid = batch.response_mask.bool()
-        metrics["adv/mean"] = batch.advantages[valid].mean().item()
-        metrics["adv/std"] = batch.advantages[valid].std().item() if valid.sum() > 1 else 0.0
+        return compute_advantages(inp, algo or self.cfg.algo)
+
+    def update_kl_controller(self, batch: RolloutBatch, kl: Tensor | None) -> dict[str, float]:
+        """Feed the in-reward KL (mean per token over all ranks) and the global trajectory count to the
+        β controller (adaptive: Ziegler et al. 2019). -> its metrics"""
+        if kl is None:
+            return {}
+        kl_sum, n_tokens, n_traj = all_reduce(torch.stack([kl.sum(), batch.response_mask.sum(),
+                                                           torch.tensor(float(len(batch)))])).tolist()
+        reward_kl = kl_sum / max(n_tokens, 1.0)
+        self.kl_ctl.update(reward_kl, int(n_traj))
+        return {"actor/reward_kl": reward_kl, "actor/kl_coef": self.kl_ctl.value}
+
+    def batch_metrics(self, batch: RolloutBatch) -> dict[str, float]:
+        """Advantage (and critic) statistics over the step's valid loss tokens on all ranks."""
+        valid = batch.loss_mask.bool()
+        stats = global_stats({"adv": batch.advantages[valid]})["adv"]
+        out = {"adv/mean": stats["mean"], "adv/std": stats["std"]}
         if self.critic is not None:  # before the update, over the whole step (verl's definition)
-            metrics["critic/explained_var"] = explained_variance(batch.values, batch.returns, batch.loss_mask).item()
-            metrics["critic/returns_mean"] = batch.returns[valid].mean().item()
+            out["critic/explained_var"] = self.explained_variance(batch)
+            out["critic/returns_mean"] = global_stats({"ret": batch.returns[valid]})["ret"]["mean"]
+        return out
+
+    def explained_variance(self, batch: RolloutBatch) -> float:
+        """1 - Var(ret - V)/(Var(ret) + 1e-8) over valid loss tokens on all ranks; 0 if returns are constant."""
+        valid = batch.loss_mask.bool()
+        s = global_stats({"ret": batch.returns[valid], "err": (batch.returns - batch.values)[valid]})
+        var_ret = s["ret"]["std"] ** 2
+        return 1.0 - s["err"]["std"] ** 2 / (var_ret + 1e-8) if var_ret > 1e-8 else 0.0
 
     # ------------------------------------------------------------------ stage 6
-    def update(self, batch: RolloutBatch, metrics: dict[str, float], actor: bool = True) -> None:
-        """ppo_epochs x mini_batches optimizer steps of the actor (unless `actor` is False, as in
-        value pretraining) and of the critic when there is one, over the same mini-batches."""
+    def update(self, batch: RolloutBatch, actor: bool = True) -> dict[str, float]:
+        """ppo_epochs x mini_batches optimizer steps of the actor (unless `actor` is False, as in value
+        pretraining) and of the critic when there is one, over the same mini-batches. -> metrics, means
+        over the optimizer steps (the `_max` ones: maxima)."""
         a = self.cfg.algo
         gen = torch.Generator().manual_seed(self.cfg.seed * 7919 + self.actor.ds.global_steps)
         groups = batch.groups
@@ -369,7 +374,11 @@ class Trainer:
         self.actor.train()
         for _ in range(a.ppo_epochs):
             order = groups[torch.randperm(len(groups), generator=gen)] if a.mini_batches > 1 else groups
-            for mb_groups in order.chunk(a.mini_batches):
+            # Exactly mini_batches parts on every rank; ranks hold equal group counts, so an empty part
+            # (fewer groups than mini-batches, algo.train_on_partial) is empty on all ranks alike.
+            for mb_groups in order.tensor_split(a.mini_batches):
+                if not len(mb_groups):
+                    continue
                 mb = batch.select_groups(mb_groups)
                 norms = self.normalizers(mb)
                 micro = list(self.micro_batches(mb, torch.arange(len(mb))))
@@ -385,26 +394,25 @@ class Trainer:
                         self.critic.backward(vf_loss, last=last)
                         m.update(cm)
                     for k, v in m.items():
-                        mb_sums[k] += v
-                if self.critic is not None:
-                    cres = self.critic.step()
-                    sums["critic/grad_norm"] += cres.grad_norm if math.isfinite(cres.grad_norm) else 0.0
+                        mb_sums[k] = max(mb_sums.get(k, -math.inf), v) if k.endswith("_max") else mb_sums[k] + v
                 # Micro-batch metrics are shares of mini-batch means: they add up over ranks too.
-                keys = sorted(mb_sums)
-                totals = eng.all_reduce_sum(torch.tensor([mb_sums[k] for k in keys], dtype=torch.float64))
-                for k, v in zip(keys, totals.tolist()):
-                    sums[k] += v
-                if actor:
-                    res = self.actor.step()
-                    sums["actor/grad_norm"] += res.grad_norm if math.isfinite(res.grad_norm) else 0.0
-                    sums["actor/skipped_steps"] += 0.0 if res.applied else 1.0
+                for op in ("sum", "max"):
+                    keys = sorted(k for k in mb_sums if k.endswith("_max") == (op == "max"))
+                    totals = all_reduce(torch.tensor([mb_sums[k] for k in keys], dtype=torch.float64), op)
+                    for k, v in zip(keys, totals.tolist()):
+                        sums[k] = max(sums.get(k, -math.inf), v) if op == "max" else sums[k] + v
+                for name, engine in (("actor", self.actor if actor else None), ("critic", self.critic)):
+                    if engine is not None:
+                        res = engine.step()
+                        sums[f"{name}/grad_norm"] += res.grad_norm if math.isfinite(res.grad_norm) else 0.0
+                        sums[f"{name}/skipped_steps"] += 0.0 if res.applied else 1.0
                 n_updates += 1
-        for k, v in sums.items():
-            metrics[k] = v if k == "actor/skipped_steps" else v / n_updates
+        metrics = {k: v if k.endswith(("_max", "skipped_steps")) else v / max(n_updates, 1) for k, v in sums.items()}
         if actor:
             metrics["actor/lr"] = self.actor.lr()
         if self.critic is not None:
             metrics["critic/lr"] = self.critic.lr()
+        return metrics
 
     def micro_value_loss(self, mb: RolloutBatch, norms: dict[str, float]) -> tuple[Tensor, dict[str, float]]:
         """The clipped value loss of one micro-batch, normalised by the mini-batch's token count."""
@@ -423,7 +431,7 @@ class Trainer:
         """Loss normalizers over the whole optimizer mini-batch: all micro-batches and all ranks."""
         num_tokens, num_seqs = aggregation_counts(mb.loss_mask)
         correct_tokens = (mb.loss_mask * (mb.acc > 0.5)[:, None]).sum()
-        tot = eng.all_reduce_sum(torch.stack([num_tokens, num_seqs, correct_tokens.to(num_tokens.dtype)]))
+        tot = all_reduce(torch.stack([num_tokens, num_seqs, correct_tokens.to(num_tokens.dtype)]))
         return {
             "num_tokens": max(tot[0].item(), 1.0),
             "num_seqs": max(tot[1].item(), 1.0),
@@ -439,27 +447,30 @@ class Trainer:
             self.actor.module, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,
             self.cfg.rollout.temperature, with_entropy=True, entropy_grad=a.entropy_coef != 0,
         )  # [n, T] each
-        if self.on_policy:  # DESIGN.md §5.3: ratio is exactly 1, its gradient is grad log pi
-            old = torch.where(mb.stale[:, None].to(self.device), mb.old_logp.to(self.device), logp.detach()) \
-                if mb.stale.any() else logp.detach()
-        else:
-            old = mb.old_logp.to(self.device)
-        adv = mb.advantages.to(self.device)
-        loss_mat, pm = POLICY_LOSSES[a.policy_loss](logp, old, adv, mask, a)  # [n, T]
-        agg = dict(num_tokens=norms["num_tokens"], num_seqs=norms["num_seqs"], max_len=self.cfg.rollout.max_new_tokens)
-        pg_loss = aggregate(loss_mat, mask, a.loss_agg, **agg)
-        loss = pg_loss
+        old = logp.detach()  # on-policy: the ratio is exactly 1 and its gradient is ∇log π
+        if not self.on_policy or mb.stale.any():  # carried rows always bring their sampling-time log-probs
+            recorded = mb.old_logp.to(self.device)
+            old = recorded if not self.on_policy else torch.where(mb.stale[:, None].to(self.device), recorded, old)
+        loss_mat, pm = POLICY_LOSSES[a.policy_loss](logp, old, mb.advantages.to(self.device), mask, a)  # [n, T]
         share = mask.sum().item() / norms["num_tokens"]  # this micro-batch's share of mini-batch tokens
-        metrics = {"actor/pg_loss": pg_loss.item()}
-        for k, v in pm.items():
-            metrics[f"actor/{k}"] = float(v) * share
-        ent = aggregate(entropy, mask, "token_mean", num_tokens=norms["num_tokens"])
-        metrics["actor/entropy"] = ent.item()
+        metrics = {f"actor/{k}": float(v) * share for k, v in pm.items()}
+        if a.rollout_correction != "none":  # π_trainer / π_sampler on the sampling policy's tokens
+            w, wm = rollout_correction_weights(
+                old - mb.rollout_logp.to(self.device), mask, level=a.rollout_correction,
+                upper=a.rollout_correction_upper, lower=a.rollout_correction_lower,
+            )
+            loss_mat = loss_mat * w
+            metrics.update({"rollout_corr/weight_mean": float(wm["weight_mean"]) * share,
+                            "rollout_corr/clipped_frac": float(wm["clipped_frac"]) * share,
+                            "rollout_corr/weight_max": float(wm["weight_max"])})
+        agg = dict(num_tokens=norms["num_tokens"], num_seqs=norms["num_seqs"], max_len=self.cfg.rollout.max_new_tokens)
+        loss = pg_loss = aggregate(loss_mat, mask, a.loss_agg, **agg)
+        metrics["actor/pg_loss"] = pg_loss.item()
+        metrics["actor/entropy"] = aggregate(entropy, mask, "token_mean", num_tokens=norms["num_tokens"]).item()
         if a.entropy_coef:
             loss = loss - a.entropy_coef * aggregate(entropy, mask, a.loss_agg, **agg)
         if self.ref is not None and not a.kl_in_reward:
-            kl = kl_estimate(logp, mb.ref_logp.to(self.device), a.kl_estimator)  # [n, T]
-            kl_loss = aggregate(kl, mask, a.loss_agg, **agg)
+            kl_loss = aggregate(kl_estimate(logp, mb.ref_logp.to(self.device), a.kl_estimator), mask, a.loss_agg, **agg)
             loss = loss + self.kl_ctl.value * kl_loss
             metrics["actor/kl_loss"] = kl_loss.item()
         if a.nll_coef:  # VAPO positive-example LM loss: NLL over tokens of correct responses
@@ -491,61 +502,6 @@ class Trainer:
             rows = [r for part in gathered for r in part]
         return metrics(rows, self.cfg.eval)
 
-    def summary(self) -> str:
-        cfg, a, r, hw = self.cfg, self.cfg.algo, self.cfg.rollout, self.cfg.hw
-        n_params = sum(p.numel() for p in self.actor.module.parameters())
-        p, g = self.P, self.G
-        mb_traj = p * g // a.mini_batches
-        d = cfg.data
-        digits = f"{d.min_digits}" + (f"-{d.max_digits}" if d.max_digits != d.min_digits else "")
-        lines = [
-            "rlcli train",
-            f"  run dir        {cfg.run_dir}",
-            f"  model          {cfg.model.name}: {self.model_path} ({self.model_source})",
-            f"  parameters     {n_params / 1e6:.2f}M, dtype {cfg.model.dtype}, precision {hw.precision}",
-            f"  hardware       {hw.name}: device {hw.device}, world size {self.world}, ZeRO-{hw.zero_stage}",
-            f"  algorithm      {a.name}: advantage={a.adv_estimator} loss={a.policy_loss} "
-            f"clip=({a.clip_low}, {a.clip_high}) agg={a.loss_agg} kl_coef={a.kl_coef}"
-            f"{' (in reward)' if a.kl_in_reward else ''} reference model={'yes' if self.ref is not None else 'no'}",
-            f"  shaping        overlong_filter={a.overlong_filter} soft_overlong={a.soft_overlong} "
-            f"(buffer {r.overlong_buffer_len} of {r.max_new_tokens} tokens) "
-            f"dynamic_sampling={a.dynamic_sampling}",
-            f"  reward         {dict(cfg.reward.weights)}",
-            "  critic         "
-            + (f"{cfg.critic.head} head from {cfg.critic.path or 'the policy'}, lr {cfg.critic.lr}, "
-               f"value pretraining {self.pretrain_steps} steps" if self.critic is not None else "none"),
-            "  batch units per step",
-            f"    prompts P            {p} ({self.p_local} per rank)"
-            + (f", group sampling x{r.group_sampling_factor}" if a.group_sampling else ""),
-            f"    responses/prompt G   {g}",
-            f"    trajectories N=P*G   {p * g}",
-            f"    mini-batches         {a.mini_batches} x {a.ppo_epochs} epoch(s) = "
-            f"{a.mini_batches * a.ppo_epochs} optimizer steps/step, {mb_traj} trajectories each",
-            f"    micro-batch          {hw.micro_batch} trajectories"
-            + (f", <= {hw.max_tokens_per_micro_batch} tokens" if hw.max_tokens_per_micro_batch else ""),
-            f"    old-logprob pass     {'skipped (on-policy)' if self.on_policy else 'yes'}",
-            f"  schedule       {cfg.steps} steps = {self.optimizer_steps} optimizer steps, lr {cfg.optim.lr} "
-            f"({cfg.optim.scheduler}, warmup {cfg.optim.warmup_steps})",
-            f"  lengths        max_new_tokens {r.max_new_tokens}, temperature {r.temperature}, "
-            f"top_p {r.top_p}, top_k {r.top_k}",
-            f"  data           {cfg.data.name}"
-            + (f" ({digits}-digit operands)" if d.source == "arith" else "")
-            + f": {len(self.train_prompts.examples)} train, "
-            f"{len(self.eval_examples)} eval prompts; {self.train_report.summary()}",
-        ]
-        return "\n".join(lines)
-
     def print(self, msg: str) -> None:
         if self.main:
             tqdm.write(msg)
-
-
-def informative_groups(b: RolloutBatch, metric: str) -> Tensor:
-    """Group ids whose `metric` varies inside the group (0 < #correct < G); singletons are kept."""
-    values = b.acc if metric == "acc" else b.scores
-    keep = []
-    for g in b.groups.tolist():
-        v = values[b.group_index == g]
-        if len(v) == 1 or (v.max() - v.min()).abs().item() > 0:
-            keep.append(g)
-    return torch.tensor(keep, dtype=torch.long)

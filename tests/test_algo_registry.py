@@ -175,7 +175,7 @@ def test_clipped_loss_registry_matches_functional():
 def test_unknown_names_list_valid_names():
     with pytest.raises(KeyError, match="valid names: dr_grpo, gae, grpo"):
         ADVANTAGES["grpoo"]
-    with pytest.raises(KeyError, match="valid names: clipped"):
+    with pytest.raises(KeyError, match="valid names: cispo, clipped, gspo"):
         POLICY_LOSSES["ppo"]
     with pytest.raises(KeyError, match="valid names: k1, k2, k3"):
         KL_ESTIMATORS["k5"]
@@ -187,13 +187,13 @@ def test_unknown_names_list_valid_names():
     ("overrides", "message"),
     [
         ({"loss_agg": "token_sum"}, r"algo\.loss_agg='token_sum'.*token_mean, seq_mean_token_mean"),
-        ({"clip_low": 1.0}, r"algo\.clip_low=1\.0 must be in \[0, 1\)"),
+        ({"clip_low": 1.5}, r"algo\.clip_low=1\.5 must be in \[0, 1\]"),
         ({"clip_low": -0.1}, r"algo\.clip_low"),
         ({"dual_clip": 0.5}, r"algo\.dual_clip=0\.5 must be > 1"),
         ({"mini_batches": 0}, r"algo\.mini_batches=0 must be >= 1"),
         ({"adv_estimator": "ppo"}, r"algo\.adv_estimator='ppo'.*valid names: dr_grpo, gae"),
         ({"kl_estimator": "k4"}, r"algo\.kl_estimator='k4'.*k1, k2, k3"),
-        ({"policy_loss": "vanilla"}, r"algo\.policy_loss='vanilla'.*clipped"),
+        ({"policy_loss": "vanilla"}, r"algo\.policy_loss='vanilla'.*cispo, clipped, gspo"),
         ({"kl_target": 6.0}, r"algo\.kl_target=6\.0 needs an initial algo\.kl_coef"),
         ({"baseline_weights": "confidence"}, r"algo\.baseline_weights.*inv_sqrt_len, uniform"),
     ],

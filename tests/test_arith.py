@@ -5,10 +5,10 @@ import statistics
 
 import pytest
 
+from rlcli.answers import extract_final_answer
 from rlcli.data.arith import (
     arith_examples,
     carry_columns,
-    extract_boxed,
     is_correct,
     is_eval_problem,
     make_example,
@@ -50,7 +50,7 @@ def test_solutions_are_correct_and_boxed(ops):
         expected = a + b if op == "+" else a - b
         assert ex["answer"] == str(expected)
         assert ex["solution"].endswith(f"\\boxed{{{ex['answer']}}}")
-        assert extract_boxed(ex["solution"]) == ex["answer"]
+        assert extract_final_answer(ex["solution"]) == ex["answer"]
         assert is_correct(ex["solution"], ex["answer"])
         assert ex["difficulty"] == max(len(str(a)), len(str(b)))
         assert 1 <= ex["difficulty"] <= 4
@@ -87,9 +87,9 @@ def test_digit_range_and_bad_arguments():
         arith_examples("train", 1, ops="*")
 
 
-def test_extract_boxed():
-    assert extract_boxed("x \\boxed{1} y \\boxed{ 42 }") == "42"
-    assert extract_boxed("no box") is None
+def test_extract_final_answer_and_is_correct():
+    assert extract_final_answer("x \\boxed{1} y \\boxed{ 42 }") == "42"
+    assert extract_final_answer("no box") is None
     assert not is_correct("\\boxed{43}", "42")
 
 
@@ -120,11 +120,11 @@ def test_carry_slip_makes_consistent_flawed_demonstrations(slip):
     carried = wrong = 0
     for ex in flawed:
         steps = ex["solution"].strip().split("\n")[:-1]
-        assert extract_boxed(ex["solution"]) == read_answer(steps)  # the box follows the steps
+        assert extract_final_answer(ex["solution"]) == read_answer(steps)  # the box follows the steps
         a, op, b = _operands(ex["prompt"])
         if carry_columns(a, b, op):
             carried += 1
-            wrong += extract_boxed(ex["solution"]) != ex["answer"]
+            wrong += extract_final_answer(ex["solution"]) != ex["answer"]
         else:
             assert ex["solution"] == make_example(a, b, op)["solution"]
     # A slip on the first carry is an independent draw with probability `slip`, and a forgotten

@@ -134,3 +134,90 @@ def test_warm_start_range_is_the_same_whatever_the_rl_data():
 
     assert task_args(**warm_start_data(make(["data=gsm8k"]).data)) == task_args(**warm_start_data(make().data))
     assert warm_start_data(make(["data=gsm8k", "data.max_digits=3"]).data)["max_digits"] == 3
+
+
+def test_dapo_at_paper_scale_is_the_papers_setup():
+    """DAPO arXiv:2503.14476 §4.1: 512 prompts x 16 responses, mini-batch 512 responses = 16 gradient
+    updates per rollout step, lr 1e-6 with a linear warm-up over 20 rollout steps, clip 0.2 / 0.28,
+    16,384 + 4,096 = 20,480 new tokens; verl's script generates 3 x 512 prompts per refill batch."""
+    from rlcli.config import batch_units
+
+    cfg = make(["algo=dapo", "model=qwen2.5-32b", "hw=8xa100"])
+    validate(cfg)
+    a, r, o = cfg.algo, cfg.rollout, cfg.optim
+    assert batch_units(cfg) == (512, 16) and (r.prompts_per_step, r.n) == (512, 16)
+    assert a.mini_batches == 16 and a.ppo_epochs == 1
+    assert r.prompts_per_step * r.n // a.mini_batches == 512  # responses per optimizer step
+    assert o.lr == 1e-6 and o.warmup_steps == 20 * a.mini_batches and o.scheduler == "constant_with_warmup"
+    assert (a.clip_low, a.clip_high, a.loss_agg) == (0.2, 0.28, "token_mean")
+    assert (r.max_new_tokens, r.overlong_buffer_len) == (20480, 4096)
+    assert a.soft_overlong and a.dynamic_sampling and not a.overlong_filter and a.kl_coef == 0
+    assert r.gen_prompts_per_step == 3 * 512 and a.max_gen_batches == 10
+
+
+def test_vapo_at_paper_scale_is_the_papers_batch():
+    """VAPO arXiv:2504.05118 §5.1: "Used 512 prompts per sampling, with each prompt sampled 16 times, and
+    set the mini-batch size to 512"; actor lr 1e-6, critic 2e-6, value warmup 50 steps, α = 0.05, μ = 0.1."""
+    from rlcli.config import batch_units
+
+    cfg = make(["algo=vapo", "model=qwen2.5-32b", "hw=8xa100"])
+    validate(cfg)
+    a = cfg.algo
+    assert a.group_sampling and batch_units(cfg) == (512, 16)
+    assert 512 * 16 // a.mini_batches == 512
+    assert (cfg.optim.lr, cfg.critic.lr, cfg.critic.pretrain_steps) == (1e-6, 2e-6, 50) and a.value_pretrain
+    assert (a.length_adaptive_alpha, a.nll_coef, a.lam_critic, a.clip_low, a.clip_high) == (0.05, 0.1, 1.0, 0.2, 0.28)
+    # Without group sampling the same budget is spent as the paper's PPO baseline: each prompt sampled once.
+    assert batch_units(make(["algo=vapo", "model=qwen2.5-32b", "algo.group_sampling=false"])) == (8192, 1)
+
+
+@pytest.mark.parametrize("overrides,fix", [
+    (["algo=vapo", "model=hf", "model.path=/x", "critic.pretrain_steps=0"], "critic.pretrain_steps=0"),
+    (["algo=grpo", "algo.value_pretrain=true"], "builds none"),
+    (["algo=vapo", "critic.aug_w0=0.5", "algo.value_pretrain=false"], "algo.value_pretrain=true"),
+    (["algo=grpo", "algo.group_sampling=false"], "compares the responses of a group"),
+    (["algo=grpo", "algo.kl_coef=0.04", "algo.kl_target=0.1"], "kl_in_reward"),
+    (["hw=cpu_x2", "algo=dapo", "rollout.gen_prompts_per_step=5"], "divisible by hw.nproc=2"),
+    (["rollout.engine=vllm"], "rollout.engine='vllm' is not a known rollout engine; valid names: hf"),
+])
+def test_a_switch_that_is_on_acts_or_fails_validation_with_the_fix(overrides, fix):
+    with pytest.raises(ValueError, match=None) as e:
+        validate(make(overrides))
+    assert fix in str(e.value), str(e.value)
+
+
+def test_value_pretraining_acts_with_every_model_preset():
+    """It used to be a no-op for every model preset without critic.pretrain_steps (e.g. model=hf)."""
+    cfg = make(["algo=vapo", "model=hf", "model.path=/x"])
+    validate(cfg)
+    assert cfg.algo.value_pretrain and cfg.critic.pretrain_steps == 50
+
+
+def test_every_schema_field_is_read_by_code_outside_the_schema():
+    """An airtight config: a field nobody reads is a knob that silently does nothing. Each leaf name must
+    be read (`.name` or a quoted "name") somewhere in rlcli/ outside the dataclass that declares it."""
+    import dataclasses
+    import inspect
+    import re
+
+    from rlcli.config import Config
+
+    sources = {p: p.read_text() for p in (ROOT / "rlcli").rglob("*.py")}
+
+    def leaves(cls, prefix=""):
+        for f in dataclasses.fields(cls):
+            t = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+            if dataclasses.is_dataclass(t):
+                yield from leaves(type(t), f"{prefix}{f.name}.")
+            else:
+                yield f"{prefix}{f.name}", cls
+
+    unread = []
+    for key, cls in leaves(Config):
+        name = key.rsplit(".", 1)[-1]
+        defining = sys.modules[cls.__module__].__file__
+        pattern = re.compile(rf"\.{name}\b|[\"']{name}[\"']")
+        texts = [t.replace(inspect.getsource(cls), "") if str(p) == defining else t for p, t in sources.items()]
+        if not any(pattern.search(text) for text in texts):
+            unread.append(key)
+    assert not unread, f"schema fields read by no code: {unread}"

@@ -35,6 +35,14 @@ def trainer(tmp_path, monkeypatch, reward, *extra):
     return Trainer(cfg)
 
 
+def finish_step(t, batch, step=1):
+    """Stages 4-6 of a collected batch, as train_step runs them. -> update metrics"""
+    batch = batch.replace(**t.score(batch, step))
+    rewards, _ = t.token_rewards(batch)
+    advantages, returns = t.advantages(batch, rewards, step)
+    return t.update(batch.replace(advantages=advantages, returns=returns))
+
+
 def group_has_variance(batch, g):
     s = batch.scores[batch.group_index == g]
     return bool((s.max() - s.min()) > 0)
@@ -43,8 +51,7 @@ def group_has_variance(batch, g):
 def test_keeps_informative_groups_refills_and_carries_the_surplus(tmp_path, monkeypatch):
     t = trainer(tmp_path, monkeypatch, "count_sevens", "seed=5")
     try:
-        metrics = {}
-        batch = t.collect(Timer(), metrics)
+        batch, metrics = t.collect(Timer())
         # Exactly P groups, each informative, found over a refill.
         assert len(batch.groups) == 2 and len(batch) == 8
         assert all(group_has_variance(batch, g) for g in batch.groups.tolist())
@@ -52,7 +59,7 @@ def test_keeps_informative_groups_refills_and_carries_the_surplus(tmp_path, monk
         assert metrics["dynamic_sampling/carried"] == 0
         assert 0 < metrics["dynamic_sampling/kept_fraction"] < 1
         # The surplus group is carried, with the sampling policy's log-probs recorded now.
-        carry = t.carry
+        carry = t.sampler.carry
         assert carry is not None and len(carry.groups) == 1 and carry.stale.all()
         assert group_has_variance(carry, carry.groups.item())
         with torch.no_grad():
@@ -61,11 +68,8 @@ def test_keeps_informative_groups_refills_and_carries_the_surplus(tmp_path, monk
         torch.testing.assert_close(carry.old_logp, logp * carry.response_mask)
         carried_group = carry.groups.item()
         # Finish step 1, then step 2 starts from the carried group.
-        t.score(batch)
-        t.advantage(batch, 1, metrics)
-        t.update(batch, metrics)
-        m2 = {}
-        batch2 = t.collect(Timer(), m2)
+        finish_step(t, batch)
+        batch2, m2 = t.collect(Timer())
         assert batch2.groups[0].item() == carried_group and m2["dynamic_sampling/carried"] == 1
         rows = batch2.group_index == carried_group
         assert batch2.stale[rows].all() and not batch2.stale[~rows].any()
@@ -79,24 +83,18 @@ def test_keeps_informative_groups_refills_and_carries_the_surplus(tmp_path, monk
 
 def test_carried_groups_keep_their_old_logp_in_the_update(tmp_path, monkeypatch):
     """On-policy shortcut (1 mini-batch, 1 epoch) must not apply to carried rows: their ratio is
-    π_now / π_sampling, so after one update it differs from 1 (DESIGN.md §5.1)."""
+    π_now / π_sampling, so after one update it differs from 1 (DAPO, arXiv:2503.14476 §3.2; the carry is rlcli's)."""
     t = trainer(tmp_path, monkeypatch, "count_sevens", "seed=5")
     try:
-        m = {}
-        b1 = t.collect(Timer(), m)
-        t.score(b1)
-        t.advantage(b1, 1, m)
-        t.update(b1, m)
-        b2 = t.collect(Timer(), {})
+        b1, _ = t.collect(Timer())
+        finish_step(t, b1)
+        b2, _ = t.collect(Timer())
         stale = b2.select(b2.stale.nonzero().squeeze(-1))
         with torch.no_grad():
             now, _ = response_logprobs(t.actor.module, stale.prompt_ids, stale.prompt_mask, stale.response_ids,
                                        stale.response_mask, t.cfg.rollout.temperature)
         assert not torch.allclose(now * stale.response_mask, stale.old_logp)
-        m2 = {}
-        t.score(b2)
-        t.advantage(b2, 2, m2)
-        t.update(b2, m2)
+        m2 = finish_step(t, b2, 2)
         assert m2["actor/ppo_kl"] != 0.0  # the stale rows bring a non-trivial ratio into the loss
     finally:
         t.rewards.close()
@@ -106,7 +104,7 @@ def test_fails_with_an_actionable_message_when_the_cap_is_hit(tmp_path, monkeypa
     t = trainer(tmp_path, monkeypatch, "even_answer", "seed=0")
     try:
         with pytest.raises(DynamicSamplingExhausted) as e:
-            t.collect(Timer(), {})
+            t.collect(Timer())
         msg = str(e.value)
         assert "found only 0 informative groups of the 2 needed" in msg
         assert "algo.max_gen_batches=4" in msg and "rollout.gen_prompts_per_step" in msg
@@ -120,12 +118,8 @@ def test_train_on_partial_uses_what_was_found(tmp_path, monkeypatch):
     t = trainer(tmp_path, monkeypatch, "count_sevens", "seed=10", "algo.max_gen_batches=1",
                 "algo.train_on_partial=true")
     try:
-        m = {}
-        batch = t.collect(Timer(), m)
+        batch, m = t.collect(Timer())
         assert m["dynamic_sampling/gen_batches"] == 1 and 1 <= len(batch.groups) < 2
-        t.score(batch)
-        t.advantage(batch, 1, m)
-        t.update(batch, m)
-        assert m["actor/grad_norm"] > 0
+        assert finish_step(t, batch)["actor/grad_norm"] > 0
     finally:
         t.rewards.close()

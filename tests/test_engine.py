@@ -1,5 +1,5 @@
 """The DeepSpeed-backed Engine: LR warmup/schedule via transformers.get_scheduler, global grad-norm
-clipping, and a step with a non-finite grad norm skipped (counted, never applied)."""
+clipping, and a step with a non-finite grad norm skipped (counted, never applied), at ZeRO 0, 1 and 2."""
 
 import math
 
@@ -10,13 +10,17 @@ from rlcli import engine as eng
 from rlcli.config import HWConfig, OptimConfig
 from rlcli.models.tiny import TinyModelConfig, build_tiny_model, load_tiny_tokenizer
 
+TINY = TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
 
-def make_engine(**optim):
-    hw = HWConfig(num_threads=1)
+
+def tiny_model():
+    return build_tiny_model(TINY, load_tiny_tokenizer(), seed=0)
+
+
+def make_engine(zero_stage=0, precision="fp32", **optim):
+    hw = HWConfig(num_threads=1, zero_stage=zero_stage, precision=precision)
     eng.init_distributed(hw)
-    model = build_tiny_model(TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64),
-                             load_tiny_tokenizer(), seed=0)
-    return eng.Engine(model, hw, OptimConfig(**optim), total_steps=10)
+    return eng.Engine(tiny_model(), hw, OptimConfig(**optim), total_steps=10)
 
 
 def fill_grads(e, value):
@@ -85,3 +89,114 @@ def test_single_process_ignores_inherited_launcher_env():
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "world 1" in out.stdout
+
+
+# --- Through DeepSpeed's own backward/step at each ZeRO stage (gradients reach ZeRO 1/2 only through
+# the engine's hooks, so these tests run real losses rather than filling p.grad).
+
+IDS = torch.tensor([[1, 5, 9, 13, 17, 21, 25, 29], [2, 4, 8, 16, 32, 3, 6, 12]])
+
+
+def token_loss(model, ids):
+    """Next-token cross-entropy summed over `ids`, divided by the token count of the whole batch IDS,
+    so the micro-batch losses add up to the full-batch mean (the loop's normalisation)."""
+    logits = model(input_ids=ids).logits[:, :-1].float()
+    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
+                                           reduction="sum")
+    return ce / IDS[:, 1:].numel()
+
+
+def hand_norm(e):
+    """The global L2 norm of the full-batch gradient at the engine's current weights, on a plain torch copy."""
+    ref = tiny_model()
+    ref.load_state_dict({k: v.detach().float() for k, v in e.module.state_dict().items()})
+    token_loss(ref, IDS).backward()
+    return torch.nn.utils.get_total_norm([p.grad for p in ref.parameters() if p.grad is not None]).item()
+
+
+def accumulate(e, bad=None):
+    """One optimizer step's worth of backward over two micro-batches (the loop's protocol);
+    `bad` (nan/inf) poisons the last micro-batch's loss."""
+    e.backward(token_loss(e.module, IDS[:1]), last=False)
+    loss = token_loss(e.module, IDS[1:])
+    e.backward(loss * bad if bad is not None else loss, last=True)
+
+
+def snapshot(e):
+    """Module weights, the optimizer's own (master) weights and its state, all cloned."""
+    opt = e.scheduler.optimizer  # the torch AdamW that DeepSpeed's wrappers step
+    return {
+        "module": {n: p.detach().clone() for n, p in e.module.named_parameters()},
+        "master": [p.detach().clone() for g in opt.param_groups for p in g["params"]],
+        "state": [{k: v.clone() if torch.is_tensor(v) else v for k, v in opt.state[p].items()}
+                  for g in opt.param_groups for p in g["params"]],
+    }
+
+
+def assert_same(a, b):
+    assert a["module"].keys() == b["module"].keys()
+    assert all(torch.equal(a["module"][n], b["module"][n]) for n in a["module"])
+    assert len(a["master"]) == len(b["master"]) and all(torch.equal(x, y) for x, y in zip(a["master"], b["master"]))
+    assert len(a["state"]) == len(b["state"])
+    for x, y in zip(a["state"], b["state"]):
+        assert x.keys() == y.keys()
+        assert all(torch.equal(x[k], y[k]) if torch.is_tensor(x[k]) else x[k] == y[k] for k in x)
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1, 2])
+def test_finite_step_reports_pre_clip_global_grad_norm(zero_stage):
+    """The reported norm is the norm of the whole accumulated gradient before clipping, the same at
+    every stage (ZeRO 1 keeps no p.grad, so reading p.grad there reported 0.0)."""
+    e = make_engine(zero_stage, lr=1e-2, warmup_steps=0, max_grad_norm=1e-3)  # far below the norm: clipping is on
+    want = hand_norm(e)
+    before = snapshot(e)
+    accumulate(e)
+    res = e.step()
+    assert res.applied and e.skipped_steps == 0
+    assert want > 1e-2 and res.grad_norm == pytest.approx(want, rel=1e-5)
+    assert e.scheduler.last_epoch == 1
+    assert any(not torch.equal(before["module"][n], p) for n, p in e.module.named_parameters())
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("zero_stage", [0, 1, 2])
+def test_non_finite_loss_skips_the_step_at_every_stage(zero_stage, bad):
+    """A poisoned micro-batch: no update, no optimizer-state change, no LR-schedule advance, counted;
+    the gradient is dropped, so the next finite step sees exactly its own gradient and applies."""
+    e = make_engine(zero_stage, lr=1e-2, warmup_steps=4, max_grad_norm=1.0)
+    accumulate(e)
+    assert e.step().applied  # so the optimizer has state (moments, step count) to protect
+    before, epoch, lr = snapshot(e), e.scheduler.last_epoch, e.lr()
+    assert before["state"] and all(s for s in before["state"])
+
+    accumulate(e, bad)
+    res = e.step()
+    assert not res.applied and not math.isfinite(res.grad_norm)
+    assert e.skipped_steps == 1
+    assert_same(before, snapshot(e))
+    assert e.scheduler.last_epoch == epoch and e.lr() == lr
+
+    want = hand_norm(e)
+    accumulate(e)
+    res = e.step()
+    assert res.applied and res.grad_norm == pytest.approx(want, rel=1e-5) and e.skipped_steps == 1
+    assert e.scheduler.last_epoch == epoch + 1 and e.lr() > lr
+    assert any(not torch.equal(before["module"][n], p) for n, p in e.module.named_parameters())
+    assert all(torch.isfinite(p).all() for p in e.module.parameters())
+
+
+def test_bf16_zero0_skips_a_non_finite_step():
+    """bf16 at ZeRO 0: DeepSpeed's bf16 wrapper computes the norm and skips the step; the schedule holds."""
+    e = make_engine(0, precision="bf16", lr=1e-2, warmup_steps=4)
+    want = hand_norm(e)  # fp32 gradient at the bf16 weights; DeepSpeed's norm is over bf16 gradients
+    accumulate(e)
+    res = e.step()
+    assert res.applied and res.grad_norm == pytest.approx(want, rel=2e-2)
+    before, epoch = snapshot(e), e.scheduler.last_epoch
+    accumulate(e, float("nan"))
+    res = e.step()
+    assert not res.applied and not math.isfinite(res.grad_norm) and e.skipped_steps == 1
+    assert_same(before, snapshot(e))
+    assert e.scheduler.last_epoch == epoch
+    accumulate(e)
+    assert e.step().applied and e.scheduler.last_epoch == epoch + 1

@@ -1,13 +1,16 @@
 """Evaluation metrics against hand-computed values: pass@k, avg@k, maj@k, answer extraction."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 
+import rlcli.answers
+import rlcli.eval_metrics
+import rlcli.rewards.functions
+from rlcli.answers import MalformedResponse, extract_final_answer, extract_final_answer_or_none, last_boxed
 from rlcli.eval_metrics import (
     acc_avg_at_k,
-    extract_final_answer,
-    last_boxed,
     maj_at_k,
     normalize_answer,
     pass_at_k,
@@ -102,6 +105,87 @@ def test_extract_final_answer(text, expected):
 def test_last_boxed_ignores_other_macros():
     assert last_boxed(r"\boxedcolor{1} \boxed{2}") == "2"
     assert last_boxed("nothing") is None
+
+
+# Texts on which the three former extractors (reward, maj@k, arith) disagreed or could disagree.
+TRICKY = [
+    (r"so $x = \boxed{\frac{1}{2}}$.", r"\frac{1}{2}"),  # nested braces (arith's regex saw none)
+    (r"\boxed{3} then \boxed{4}", "4"),  # two boxes: the last
+    ("\\boxed{5}\nAnswer: 6", "6"),  # an Answer: line after a box wins
+    ("Answer: 6\nwait, \\boxed{5}", "5"),  # a box after an Answer: line wins
+    (r"\boxed{3} and finally \boxed{\frac{1}{2", None),  # unclosed last box: no answer, no fallback
+    (r"\boxed{1} \boxed{12", None),  # arith used to fall back to the earlier box
+    (r"\fbox{12}", "12"),  # the reward used to ignore \fbox
+    (r"it is \boxed 7 indeed", "7"),  # brace-less box (MATH solutions)
+    (r"\boxed {3}", "3"),
+    ("**Answer:** $-3$.", "-3"),  # maj@k used to read "** $-3$."
+    ("Answer: $1$ or $2$", "$1$ or $2$"),  # $ kept unless one pair encloses everything
+    ("The final answer: 5", None),  # maj@k used to read "5"; only a line starting with Answer: counts
+    (r"Answer: \boxed{8}", "8"),
+    (r"Answer: \boxed{8", None),
+    (r"\boxed{}", None),  # maj@k used to vote for ""
+    (r"\boxed{\{-2, 2\}}", r"\{-2, 2\}"),  # escaped braces are content
+    (r"\boxed{x\\}", r"x\\"),  # an escaped backslash does not escape the closing brace
+    (r"\boxedcolor{1} \boxed{2}", "2"),
+    ("just 42", None),  # no answer
+    ("", None),
+]
+
+
+@pytest.mark.parametrize("text,expected", TRICKY)
+def test_maj_at_k_extracts_the_answer_the_reward_verifies(text, expected):
+    # One extractor: the reward's (run in the sandbox workers) is the one maj@k votes with.
+    assert rlcli.rewards.functions.extract_final_answer is rlcli.answers.extract_final_answer
+    assert rlcli.eval_metrics.extract_final_answer_or_none is rlcli.answers.extract_final_answer_or_none
+    assert rlcli.rewards.functions.extract_final_answer(text) == expected
+    assert extract_final_answer_or_none(text) == expected
+    # summarize() reads answers from responses itself: a correct sample wins maj@1 iff it gave one.
+    out = summarize([{"correct": [True], "responses": [text]}])
+    assert out["eval/maj@1"] == (0.0 if expected is None else 1.0)
+    # The reward's format part agrees on whether there is an answer at all.
+    assert rlcli.rewards.functions.format_reward(text, "1") == (0.0 if expected is None else 1.0)
+
+
+def test_malformed_response_scores_zero_and_does_not_vote():
+    deep = "\\boxed{" * 100 + "1" + "}" * 100
+    with pytest.raises(MalformedResponse, match="nested deeper"):
+        rlcli.rewards.functions.extract_final_answer(deep)
+    assert extract_final_answer_or_none(deep) is None
+    # Were the two malformed (but verified-correct, say) samples voting, their "1" would win.
+    per_prompt = [{"correct": [True, True, False], "responses": [deep, deep, r"\boxed{2}"]}]
+    assert summarize(per_prompt)["eval/maj@3"] == 0.0  # "2" wins alone
+
+
+def test_eval_per_prompt_answers_use_the_reward_extractor(monkeypatch):
+    import torch
+
+    import rlcli.eval
+
+    texts = [t for t, _ in TRICKY] + ["\\boxed{" * 100 + "1" + "}" * 100]
+    texts += ["pad"] * (-len(texts) % 4)  # k = 4 responses per prompt
+
+    def fake_generate(model, tokenizer, prompts, answers, k, *args):
+        rows = texts[: len(prompts) * k]
+        return SimpleNamespace(
+            texts=rows,
+            answers=[a for a in answers for _ in range(k)],
+            lengths=torch.ones(len(rows), dtype=torch.long),
+            truncated=torch.zeros(len(rows), dtype=torch.bool),
+        )
+
+    monkeypatch.setattr(rlcli.eval, "generate", fake_generate)
+    examples = [{"prompt": f"q{i}", "answer": "1"} for i in range(len(texts) // 4)]
+    eval_cfg = SimpleNamespace(k=4, batch_prompts=len(examples), max_new_tokens=8, temperature=1.0, top_p=1.0)
+    rollout_cfg = SimpleNamespace(max_new_tokens=8, gen_batch_size=8)
+
+    def rewards(responses, ground_truths):
+        return SimpleNamespace(acc=torch.zeros(len(responses)))
+
+    per_prompt = rlcli.eval.sample_and_verify(None, None, examples, eval_cfg, rollout_cfg, rewards)
+    got = [a for p in per_prompt for a in p["answers"]]
+    assert got == [extract_final_answer_or_none(t) for t in texts]
+    assert got[: len(TRICKY)] == [rlcli.rewards.functions.extract_final_answer(t) for t, _ in TRICKY]
+    assert got[len(TRICKY)] is None  # the reward rejects it (MalformedResponse): no vote
 
 
 @pytest.mark.parametrize(

@@ -24,6 +24,8 @@ PRESETS = {
     "reinforce_pp": [],
     "reinforce_pp_baseline": [],
     "dapo": ["algo.filter_metric=score", "rollout.overlong_buffer_len=4"],
+    "gspo": [],  # mini_batches 4: 4 prompts -> 1 per mini-batch, off-policy after the first
+    "cispo": [],
 }
 
 

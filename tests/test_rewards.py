@@ -56,7 +56,7 @@ def assert_healthy(manager: RewardManager) -> None:
         ("x \\boxed{3} then \\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),  # last box, nested braces
         ("\\boxed{\\{1, 2\\}}", "\\{1, 2\\}"),  # escaped braces are not groups
         ("work\nAnswer: 42\n", "42"),
-        ("work\n**Answer:** $7$.", "$7$"),  # markdown and a full stop around a DAPO line
+        ("work\n**Answer:** $7$.", "7"),  # markdown, a full stop and $ delimiters around a DAPO line
         ("work\n**Answer**: 7", "7"),
         ("Answer: 1\nlater \\boxed{2}", "2"),  # the later of the two forms wins
         ("\\boxed{2}\nAnswer: 1", "1"),

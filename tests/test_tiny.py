@@ -148,7 +148,7 @@ def test_warm_start_crash_leaves_no_entry(tmp_path, monkeypatch):
 
 def test_warm_start_trains_on_slipped_demonstrations(tmp_path, monkeypatch):
     import rlcli.sft as sft
-    from rlcli.data.arith import extract_boxed
+    from rlcli.answers import extract_final_answer
 
     seen = {}
     real = sft.sft_train
@@ -160,5 +160,5 @@ def test_warm_start_trains_on_slipped_demonstrations(tmp_path, monkeypatch):
     monkeypatch.setattr(sft, "sft_train", capture)
     ws = WarmStartConfig(steps=1, batch_size=64, eval_size=2, carry_slip=1.0, cache_dir=str(tmp_path))
     sft.warm_start(SMALL, ws, progress=False, min_digits=2, max_digits=2)
-    wrong = [extract_boxed(ex["solution"]) != ex["answer"] for ex in seen["examples"]]
+    wrong = [extract_final_answer(ex["solution"]) != ex["answer"] for ex in seen["examples"]]
     assert 0 < sum(wrong) < len(wrong)  # every carried demonstration slips; carry-free ones stay right

@@ -174,7 +174,8 @@ def one_update(tmp_path, name, nproc, extra=()):
 @pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_sum_const"])
 def test_two_processes_and_micro_batches_give_the_same_step(tmp_path, agg):
     """Same batch: 1 process with one micro-batch, 1 process with micro-batches of 3, and 2 processes
-    must give the same step-1 loss and the same gradient (all-reduced, accumulated, before clipping).
+    must give the same step-1 loss and the same gradient (all-reduced, accumulated, before clipping), and
+    log the same batch statistics (reward, accuracy, lengths, advantages: reduced over ranks, not rank 0's).
 
     Parameters are not compared: Adam's first step is lr·g/(|g|+eps), which turns rounding noise in
     near-zero gradient entries into differences of order lr·1e-2. Tolerances: 1e-5 relative on
@@ -191,7 +192,9 @@ def test_two_processes_and_micro_batches_give_the_same_step(tmp_path, agg):
     if agg == "token_mean":
         assert abs(base["metrics"]["actor/pg_loss"]) > 1e-4  # a loss worth comparing
     for other in (micro, dist):
-        for k in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"):
+        for k in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "reward/mean", "reward/std",
+                  "reward/sevens", "acc/mean", "acc/pool_mean", "response_length/mean", "response_length/max",
+                  "response_length/clip_ratio", "adv/mean", "adv/std"):
             assert other["metrics"][k] == pytest.approx(base["metrics"][k], rel=1e-5, abs=1e-7), k
         assert other["grads"].keys() == base["grads"].keys() and len(base["grads"]) > 10
         for n, g in base["grads"].items():

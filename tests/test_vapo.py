@@ -95,7 +95,7 @@ def test_value_pretraining_freezes_the_policy_trains_the_critic_and_ev_rises(tmp
         assert all(torch.equal(policy[n], p) for n, p in t.actor.module.named_parameters())  # bit-identical
         assert all(not torch.equal(critic[n], p) for n, p in t.critic.module.named_parameters())
         assert sum(evs[-3:]) / 3 > sum(evs[:3]) / 3 + 0.05, evs
-        assert t.carry is None
+        assert t.sampler.carry is None
     finally:
         t.rewards.close()
 
@@ -120,7 +120,7 @@ def test_ppo_and_vapo_train_two_steps(algo, tmp_path, monkeypatch):
     try:
         assert t.critic is not None and (t.ref is not None) == (t.cfg.algo.kl_coef > 0)
         if algo == "vapo":
-            assert (t.P, t.G) == (2, 8)  # group sampling: half the prompts, twice the responses
+            assert (t.P, t.G) == (4, 4)  # group sampling: P x G as configured (without it: 16 x 1)
             t.pretrain_critic()
         before = {n: p.detach().clone() for n, p in t.actor.module.named_parameters()}
         for step in (1, 2):
@@ -131,6 +131,28 @@ def test_ppo_and_vapo_train_two_steps(algo, tmp_path, monkeypatch):
                 assert k in m, k
             assert ("actor/nll_loss" in m) == (algo == "vapo")
         assert all(not torch.equal(before[n], p) for n, p in t.actor.module.named_parameters())
+    finally:
+        t.rewards.close()
+
+
+@pytest.mark.slow
+def test_value_pretraining_runs_the_score_stage_so_kl_in_the_reward_works(tmp_path, monkeypatch):
+    """algo=ppo puts β·KL in the token rewards, which needs old and reference log-probs: pretraining used
+    to skip the score stage and crash in kl_estimate(None, None). The policy must stay frozen and the
+    β controller untouched (no policy update happened to adapt to)."""
+    t = make(tmp_path, monkeypatch, "algo=ppo", "algo.value_pretrain=true", "algo.kl_target=0.01",
+             "rollout.prompts_per_step=4", "rollout.n=2", "critic.pretrain_steps=2",
+             "+reward.weights.sevens=1.0", "+reward.custom.sevens=reward_fixtures.count_sevens")
+    try:
+        assert t.ref is not None and t.cfg.algo.kl_in_reward and t.pretrain_steps == 2
+        policy = {n: p.detach().clone() for n, p in t.actor.module.named_parameters()}
+        beta = t.kl_ctl.value
+        out = t.pretrain_critic()
+        assert out["steps"] == 2 and math.isfinite(out["vf_loss"])
+        assert all(torch.equal(policy[n], p) for n, p in t.actor.module.named_parameters())
+        assert t.kl_ctl.value == beta
+        m = t.train_step(1)
+        assert t.kl_ctl.value != beta and m["actor/kl_coef"] == t.kl_ctl.value  # the step itself adapts β
     finally:
         t.rewards.close()
 

@@ -1,6 +1,9 @@
 """Advantage estimators (DESIGN.md §5.2): registry `ADVANTAGES`, one signature for all.
 
-    fn(inp: AdvantageInputs, cfg: AlgoConfig) -> (advantages [N, T], returns [N, T])
+    fn(inp: AdvantageInputs, cfg) -> (advantages [N, T], returns [N, T])
+
+`cfg` is an `rlcli.algos.config.AlgoConfig` or the composed `algo` DictConfig (annotated `Any`:
+config.py imports this module, so importing AlgoConfig here would make an import circle).
 
 `returns` are the critic's targets for estimators that need values (NEEDS_VALUES) and equal the
 advantages otherwise. Both are 0 at masked positions. The trainer calls `compute_advantages`,
@@ -17,12 +20,12 @@ as in OpenRLHF's RLOO. The outcome-level a_i itself never sees the KL.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from rlcli.algos import functional as F
-from rlcli.algos.config import AlgoConfig
 from rlcli.registry import Registry
 
 
@@ -49,9 +52,13 @@ class AdvantageInputs:
 ADVANTAGES = Registry("advantage estimator")
 NEEDS_VALUES = frozenset({"gae", "vapo_grpo_hybrid"})
 """Estimators that read `values`: the trainer builds a critic exactly when the estimator is here."""
+GROUP_ESTIMATORS = frozenset(
+    {"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "rank", "weighted_baseline", "hierarchical", "vapo_grpo_hybrid"}
+)
+"""Estimators that compare the responses of one prompt: they need rollout.n > 1 responses per prompt."""
 
 
-def compute_advantages(inp: AdvantageInputs, cfg: AlgoConfig) -> tuple[Tensor, Tensor]:
+def compute_advantages(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
     """Run `ADVANTAGES[cfg.adv_estimator]` without gradients, then the optional sequence reweight.
 
     Shapes: -> (advantages [N, T], returns [N, T]). With `cfg.seq_reweight_alpha` set, each row of
@@ -100,7 +107,7 @@ def _require_values(inp: AdvantageInputs, name: str) -> Tensor:
     return inp.values
 
 
-def _whiten(x: Tensor, mask: Tensor, cfg: AlgoConfig) -> Tensor:
+def _whiten(x: Tensor, mask: Tensor, cfg: Any) -> Tensor:
     return F.masked_whiten(x, mask) if cfg.whiten_advantages else x
 
 
@@ -114,41 +121,41 @@ def _same(x: Tensor) -> tuple[Tensor, Tensor]:
 
 
 @ADVANTAGES.register("grpo")
-def grpo(inp: AdvantageInputs, cfg: AlgoConfig) -> tuple[Tensor, Tensor]:
+def grpo(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
     """GRPO (arXiv:2402.03300): (R - mean_g)/(std_g + 1e-6) per group, on every response token."""
     a = F.group_advantages(inp.scores, inp.group_index, std_normalize=True)
     return _same(_outcome_to_tokens(inp, a, cfg.gamma))
 
 
 @ADVANTAGES.register("dr_grpo")
-def dr_grpo(inp: AdvantageInputs, cfg: AlgoConfig) -> tuple[Tensor, Tensor]:
+def dr_grpo(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
     """Dr.GRPO (arXiv:2503.20783): R - mean_g, no std division."""
     a = F.group_advantages(inp.scores, inp.group_index, std_normalize=False)
     return _same(_outcome_to_tokens(inp, a, cfg.gamma))
 
 
 @ADVANTAGES.register("rloo")
-def rloo(inp: AdvantageInputs, cfg: AlgoConfig) -> tuple[Tensor, Tensor]:
+def rloo(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
     """RLOO (arXiv:2402.14740): R_i minus the mean of the other G-1 responses."""
     a = F.rloo_advantages(inp.scores, inp.group_index)
     return _same(_outcome_to_tokens(inp, a, cfg.gamma))
 
 
 @ADVANTAGES.register("reinforce_pp")
-def reinforce_pp(inp: AdvantageInputs, cfg: AlgoConfig) -> tuple[Tensor, Tensor]:
+def reinforce_pp(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
     """REINFORCE++ (arXiv:2501.03262): reward-to-go of the token rewards, whitened over the batch."""
     returns = F.discounted_returns(inp.token_rewards, inp.mask, cfg.gamma)
     return _same(_whiten(returns, inp.mask, cfg))
 
 
 @ADVANTAGES.register("reinforce_pp_baseline")
-def reinforce_pp_baseline(inp: AdvantageInputs, cfg: AlgoConfig) -> tuple[Tensor, Tensor]:
+def reinforce_pp_baseline(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
     """REINFORCE++-baseline (arXiv:2501.03262): whiten(R_i - mean_g) over the batch (plus KL-to-go)."""
     a = F.group_advantages(inp.scores, inp.group_index, std_normalize=False)
     return _same(_whiten(_outcome_to_tokens(inp, a, cfg.gamma), inp.mask, cfg))
 
 
-def _gae_parts(inp: AdvantageInputs, cfg: AlgoConfig, name: str) -> tuple[Tensor, Tensor]:
+def _gae_parts(inp: AdvantageInputs, cfg: Any, name: str) -> tuple[Tensor, Tensor]:
     """(actor advantages, critic returns), VAPO-decoupled: returns use λ_critic, advantages λ_actor."""
     values = _require_values(inp, name)
     lam_actor: float | Tensor = cfg.lam_actor
@@ -161,20 +168,20 @@ def _gae_parts(inp: AdvantageInputs, cfg: AlgoConfig, name: str) -> tuple[Tensor
 
 
 @ADVANTAGES.register("gae")
-def gae(inp: AdvantageInputs, cfg: AlgoConfig) -> tuple[Tensor, Tensor]:
+def gae(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
     """PPO's GAE (arXiv:1506.02438) with VAPO's decoupled and length-adaptive λ (arXiv:2504.05118)."""
     return _gae_parts(inp, cfg, "gae")
 
 
 @ADVANTAGES.register("rank")
-def rank(inp: AdvantageInputs, cfg: AlgoConfig) -> tuple[Tensor, Tensor]:
+def rank(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
     """Seed 001 option: (rank_i - (G+1)/2)/(G/2) within the group, ties averaged."""
     a = F.rank_advantages(inp.scores, inp.group_index)
     return _same(_outcome_to_tokens(inp, a, cfg.gamma))
 
 
 @ADVANTAGES.register("weighted_baseline")
-def weighted_baseline(inp: AdvantageInputs, cfg: AlgoConfig) -> tuple[Tensor, Tensor]:
+def weighted_baseline(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
     """Seed 001 option: R_i - Σ w_j R_j / Σ w_j, w_j = 1/sqrt(|y_j|) (cfg.baseline_weights)."""
     lengths = inp.lengths.to(F._float(inp.scores).dtype)  # [N]
     if cfg.baseline_weights == "inv_sqrt_len":
@@ -190,14 +197,14 @@ def weighted_baseline(inp: AdvantageInputs, cfg: AlgoConfig) -> tuple[Tensor, Te
 
 
 @ADVANTAGES.register("hierarchical")
-def hierarchical(inp: AdvantageInputs, cfg: AlgoConfig) -> tuple[Tensor, Tensor]:
+def hierarchical(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
     """Seed 001 option: α·A_group + (1-α)·A_batch, α = cfg.hierarchical_alpha."""
     a = F.hierarchical_advantages(inp.scores, inp.group_index, cfg.hierarchical_alpha)
     return _same(_outcome_to_tokens(inp, a, cfg.gamma))
 
 
 @ADVANTAGES.register("vapo_grpo_hybrid")
-def vapo_grpo_hybrid(inp: AdvantageInputs, cfg: AlgoConfig) -> tuple[Tensor, Tensor]:
+def vapo_grpo_hybrid(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
     """Seed 001 option: α(t)·A_gae + (1-α(t))·A_grpo, α(t) = α_0·exp(-κ t/T); returns from GAE."""
     adv_gae, returns = _gae_parts(inp, cfg, "vapo_grpo_hybrid")
     adv_grpo, _ = grpo(inp, cfg)

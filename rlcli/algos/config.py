@@ -5,14 +5,19 @@ Defaults here are plain PPO/GRPO defaults; the presets in conf/algo/*.yaml set t
 
 Papers cited by arXiv id: PPO 1707.06347, GAE 1506.02438, GRPO (DeepSeekMath) 2402.03300,
 DAPO 2503.14476, Dr.GRPO 2503.20783, VAPO 2504.05118, RLOO 2402.14740, REINFORCE++ 2501.03262,
-adaptive KL (Ziegler et al.) 1909.08593, dual clip (Ye et al.) 1912.09729. "Seed 001" options are
-the extra variants of shared/seeds/001 (DESIGN.md §9): off by default.
+adaptive KL (Ziegler et al.) 1909.08593, dual clip (Ye et al.) 1912.09729, GSPO 2507.18071, CISPO
+(MiniMax-M1) 2506.13585. "Seed 001" options are the extra variants of shared/seeds/001 (DESIGN.md
+§9): off by default.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from rlcli.algos.advantages import ADVANTAGES
+from rlcli.algos.functional import AGG_MODES, KL_ESTIMATORS, ROLLOUT_CORRECTION_LEVELS
+from rlcli.algos.losses import POLICY_LOSSES
 
 
 @dataclass
@@ -41,11 +46,13 @@ class AlgoConfig:
 
     # --- policy loss and aggregation (DESIGN.md §5.3) ------------------------------------------
     policy_loss: str = "clipped"
-    """POLICY_LOSSES registry name."""
+    """POLICY_LOSSES registry name: clipped (PPO/GRPO/DAPO token-ratio surrogate) | gspo (GSPO,
+    sequence-level ratio) | cispo (CISPO, clipped stop-gradient IS weight on logp)."""
     clip_low: float = 0.2
-    """ε_low: the ratio is clipped below at 1 - clip_low (PPO 0.2)."""
+    """ε_low: the ratio is clipped below at 1 - clip_low (PPO 0.2; GSPO 3e-4; CISPO 1.0 = no lower
+    bound, ratios being ≥ 0)."""
     clip_high: float = 0.2
-    """ε_high: the ratio is clipped above at 1 + clip_high (DAPO clip-higher: 0.28)."""
+    """ε_high: the ratio is clipped above at 1 + clip_high (DAPO clip-higher: 0.28; GSPO 4e-4)."""
     dual_clip: float | None = None
     """Dual-clip constant c > 1 bounding the loss of A < 0 tokens at -A·c (Ye et al. 2020; DAPO script: 10)."""
     ratio_clamp: float | None = None
@@ -108,15 +115,24 @@ class AlgoConfig:
     value_pretrain: bool = False
     """VAPO value pretraining: before any actor update, train only the critic on λ=1 returns of the
     frozen initial policy for critic.pretrain_steps steps (50 in the paper)."""
-    group_sampling: bool = False
-    """VAPO group sampling: rollout.group_sampling_factor times fewer prompts, as many times more
-    responses each (same trajectories per step)."""
+    group_sampling: bool = True
+    """Sample rollout.n responses for each of rollout.prompts_per_step prompts (every group estimator, and
+    VAPO §4.3 "Group-Sampling"). false = VAPO's vanilla-PPO use of the same budget: P*G prompts, each
+    sampled once (only for estimators that need no groups: gae, reinforce_pp)."""
+
+    # --- rollout correction: the sampler's log-probs differ from the trainer's -----------------
+    rollout_correction: str = "none"
+    """Importance weights π_trainer/π_sampler on the policy loss (functional.rollout_correction_weights):
+    none | token | sequence (one weight per response, from its summed log ratio)."""
+    rollout_correction_upper: float | None = 2.0
+    """Upper bound C of the weights: truncated IS min(w, C) (TIS, Yao et al. 2025: 2); null = none."""
+    rollout_correction_lower: float | None = None
+    """Lower bound: weights outside [lower, upper] are zeroed (masked IS, IcePop) instead of truncated;
+    null = truncate only."""
 
     # --- critic (DESIGN.md §5.4) ---------------------------------------------------------------
     value_clip: float | None = 0.5
     """ε_v: value-loss clip range around the old values; null = unclipped."""
-    vf_coef: float = 1.0
-    """Weight of the value loss when actor and critic share one backward pass."""
 
 
 BASELINE_WEIGHTS = ("inv_sqrt_len", "uniform")
@@ -127,10 +143,6 @@ def validate(cfg: Any) -> None:
 
     `cfg` is an AlgoConfig or the composed `algo` DictConfig. Messages name the key and the fix.
     """
-    from rlcli.algos.advantages import ADVANTAGES
-    from rlcli.algos.functional import AGG_MODES, KL_ESTIMATORS
-    from rlcli.algos.losses import POLICY_LOSSES
-
     ADVANTAGES.check(cfg.adv_estimator, "algo.adv_estimator")
     POLICY_LOSSES.check(cfg.policy_loss, "algo.policy_loss")
     KL_ESTIMATORS.check(cfg.kl_estimator, "algo.kl_estimator")
@@ -143,11 +155,21 @@ def validate(cfg: Any) -> None:
             f"algo.baseline_weights={cfg.baseline_weights!r}; valid names: {', '.join(BASELINE_WEIGHTS)}"
         )
 
+    corrections = ("none", *ROLLOUT_CORRECTION_LEVELS)
+    if cfg.rollout_correction not in corrections:
+        raise ValueError(
+            f"algo.rollout_correction={cfg.rollout_correction!r}; valid names: {', '.join(corrections)}"
+        )
+
     def need(ok: bool, key: str, rule: str) -> None:
         if not ok:
             raise ValueError(f"algo.{key}={getattr(cfg, key)!r} must be {rule}")
 
-    need(0.0 <= cfg.clip_low < 1.0, "clip_low", "in [0, 1) (the ratio is clipped below at 1 - clip_low)")
+    need(
+        0.0 <= cfg.clip_low <= 1.0,
+        "clip_low",
+        "in [0, 1] (the ratio is clipped below at 1 - clip_low; 1 = no lower bound)",
+    )
     need(cfg.clip_high >= 0.0, "clip_high", ">= 0")
     need(cfg.dual_clip is None or cfg.dual_clip > 1.0, "dual_clip", "> 1 (e.g. 3 or 10) or null")
     need(cfg.ratio_clamp is None or cfg.ratio_clamp > 1.0, "ratio_clamp", "> 1 (e.g. 10) or null")
@@ -165,6 +187,12 @@ def validate(cfg: Any) -> None:
             f"algo.kl_target={cfg.kl_target} needs an initial algo.kl_coef > 0: the adaptive controller "
             "multiplies β, so it would stay 0; set algo.kl_coef (e.g. 0.01) or algo.kl_target=null"
         )
+    if cfg.kl_target is not None and not cfg.kl_in_reward:
+        raise ValueError(
+            f"algo.kl_target={cfg.kl_target} adapts β of the KL penalty in the reward (Ziegler et al. 2019), "
+            "but algo.kl_in_reward=false puts the KL in the loss with a fixed β: set algo.kl_in_reward=true "
+            "or algo.kl_target=null"
+        )
     need(cfg.kl_horizon >= 1, "kl_horizon", ">= 1")
     need(cfg.entropy_coef >= 0.0, "entropy_coef", ">= 0")
     need(cfg.nll_coef >= 0.0, "nll_coef", ">= 0")
@@ -175,4 +203,10 @@ def validate(cfg: Any) -> None:
     need(0.0 <= cfg.hybrid_alpha0 <= 1.0, "hybrid_alpha0", "in [0, 1]")
     need(cfg.hybrid_kappa >= 0.0, "hybrid_kappa", ">= 0")
     need(cfg.value_clip is None or cfg.value_clip > 0, "value_clip", "> 0 or null (unclipped)")
-    need(cfg.vf_coef >= 0.0, "vf_coef", ">= 0")
+    upper, lower = cfg.rollout_correction_upper, cfg.rollout_correction_lower
+    need(upper is None or upper > 0, "rollout_correction_upper", "> 0 (TIS: 2) or null")
+    need(
+        lower is None or (lower >= 0 and (upper is None or lower < upper)),
+        "rollout_correction_lower",
+        ">= 0 and below algo.rollout_correction_upper, or null",
+    )

@@ -29,11 +29,13 @@ __all__ = [
     "KL_ESTIMATORS",
     "aggregate",
     "aggregation_counts",
+    "cispo_policy_loss",
     "clipped_policy_loss",
     "discounted_returns",
     "entropy_from_logits",
     "gae",
     "group_advantages",
+    "gspo_policy_loss",
     "hierarchical_advantages",
     "hybrid_alpha",
     "kl_estimate",
@@ -42,6 +44,7 @@ __all__ = [
     "masked_whiten",
     "rank_advantages",
     "rloo_advantages",
+    "rollout_correction_weights",
     "sequence_reweight",
     "soft_overlong_penalty",
     "value_loss",
@@ -50,6 +53,8 @@ __all__ = [
 
 LOG_RATIO_CLAMP = 20.0
 """|logp - old_logp| is clamped to this before exp (DESIGN.md §5.3): exp(20) ~ 5e8 stays finite."""
+GSPO_LOG_RATIO_MAX = 10.0
+"""Upper clamp of GSPO's per-token log ratio log s_i,t (as verl): s ≤ exp(10) ~ 2.2e4."""
 K3_INPUT_CLAMP = 20.0
 K3_OUTPUT_CLAMP = 10.0
 LENGTH_ADAPTIVE_LAMBDA_MAX = 1.0 - 1e-6
@@ -473,6 +478,158 @@ def clipped_policy_loss(
             "ppo_kl": masked_mean(old_logp - logp, m),
         }
     return loss, metrics
+
+
+def gspo_policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO clipped surrogate with the sequence-level ratio (Zheng et al. 2025, arXiv:2507.18071).
+
+    Shapes: logp, old_logp, advantages, mask [N, T] -> (loss_mat [N, T], metrics).
+        log s_i   = (1/|o_i|) Σ_t m·(logp - old_logp)      (§4, the length-normalised sequence ratio)
+        s_i,t     = sg[s_i] · π_t / sg[π_t] = exp(min(sg[log s_i] + logp_t - sg[logp_t], 10))
+                                                    (§4, the GSPO-token variant)
+        ℓ_t       = max(-A_t·s_i,t, -A_t·clip(s_i,t, 1 - clip_low, 1 + clip_high))
+    s_i,t equals s_i in value; its gradient flows through each token's own logp, so where the
+    unclipped branch is active ∂ℓ_t/∂logp_t = -A_t·s_i, and 0 where the clipped branch is. With A
+    constant over the sequence (GRPO) and `aggregate(..., "seq_mean_token_mean")` this is GSPO's
+    gradient (§4, gradient analysis): s_i·A_i/|o_i| on every token of o_i, per sequence.
+    Defaults clip_low = 3e-4, clip_high = 4e-4 are the paper's (§5.1, setup): sequence ratios are
+    geometric means and sit much closer to 1 than token ratios.
+    The log ratio is clamped at GSPO_LOG_RATIO_MAX = 10 after combining (as verl): a sequence whose
+    ratio exceeds e^10 gets no gradient at all. Rows with no valid token have s = 1 and loss 0.
+    loss_mat is 0 at masked positions; reduce it with `aggregate`.
+
+    metrics (detached 0-dim tensors, masked token means): pg_clipfrac (the clipped branch is
+    active; token-weighted, i.e. longer sequences count more), pg_clipfrac_high (s > 1 + clip_high
+    and A > 0), pg_clipfrac_low (s < 1 - clip_low and A < 0), ppo_kl (mean of old_logp - logp,
+    the token-level k1 estimate, comparable across losses).
+    """
+    m = _valid(mask)
+    zero = torch.zeros_like(logp)
+    logp_v = torch.where(m, logp, zero)  # NaN-free stand-in at padding
+    token_log_ratio = torch.where(m, logp - old_logp, zero)  # [N, T]
+    n_tok = m.sum(-1, keepdim=True).clamp_min(1).to(logp.dtype)  # [N, 1]
+    log_s = token_log_ratio.sum(-1, keepdim=True) / n_tok  # [N, 1]
+    log_ratio = (log_s.detach() + logp_v - logp_v.detach()).clamp(max=GSPO_LOG_RATIO_MAX)  # [N, T]
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.where(m, torch.maximum(unclipped, clipped), zero)
+
+    with torch.no_grad():
+        metrics = {
+            "pg_clipfrac": masked_mean((clipped > unclipped).to(logp.dtype), m),
+            "pg_clipfrac_high": masked_mean(((ratio > 1.0 + clip_high) & (advantages > 0)).to(logp.dtype), m),
+            "pg_clipfrac_low": masked_mean(((ratio < 1.0 - clip_low) & (advantages < 0)).to(logp.dtype), m),
+            "ppo_kl": masked_mean(old_logp - logp, m),
+        }
+    return loss, metrics
+
+
+def cispo_policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float = 1.0,
+    clip_high: float = 0.28,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO: REINFORCE weighted by a clipped, stop-gradient IS weight (MiniMax-M1, arXiv:2506.13585 §3.1).
+
+    Shapes: logp, old_logp, advantages, mask [N, T] -> (loss_mat [N, T], metrics).
+        ρ_t = exp(clamp(logp - old_logp, -20, 20))
+        w_t = sg[clip(ρ_t, 1 - clip_low, 1 + clip_high)]
+        ℓ_t = -w_t · A_t · logp_t                                  (§3.1, the CISPO objective)
+    Unlike the PPO surrogate no token loses its gradient: ∂ℓ_t/∂logp_t = -w_t·A_t everywhere, the
+    clip only bounds the weight. The value of ℓ is not a surrogate of the return (it is ∝ logp), only
+    its gradient is meaningful. The paper aggregates over all tokens of the batch (token_mean).
+    Defaults: clip_low = 1.0, i.e. no lower bound (ρ ≥ 0): the paper sets ε_low "to a large value"
+    and tunes only ε_high, whose value it does not state; clip_high = 0.28 is DAPO's clip-higher
+    ε_high (arXiv:2503.14476 §3.1), our choice.
+    loss_mat is 0 at masked positions; reduce it with `aggregate`.
+
+    metrics (detached 0-dim tensors, masked token means): pg_clipfrac (ρ outside
+    [1 - clip_low, 1 + clip_high], i.e. its weight was clipped; = high + low), pg_clipfrac_high
+    (ρ > 1 + clip_high), pg_clipfrac_low (ρ < 1 - clip_low), ppo_kl (mean of old_logp - logp).
+    """
+    m = _valid(mask)
+    zero = torch.zeros_like(logp)
+    with torch.no_grad():
+        ratio = torch.exp((logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.where(m, -weight * advantages * torch.where(m, logp, zero), zero)
+
+    with torch.no_grad():
+        high = (ratio > 1.0 + clip_high).to(logp.dtype)
+        low = (ratio < 1.0 - clip_low).to(logp.dtype)
+        metrics = {
+            "pg_clipfrac": masked_mean(high + low, m),
+            "pg_clipfrac_high": masked_mean(high, m),
+            "pg_clipfrac_low": masked_mean(low, m),
+            "ppo_kl": masked_mean(old_logp - logp, m),
+        }
+    return loss, metrics
+
+
+ROLLOUT_CORRECTION_LEVELS = ("token", "sequence")
+"""Levels of `rollout_correction_weights`: one weight per token, or one per sequence."""
+
+
+def rollout_correction_weights(
+    log_ratio: Tensor,
+    mask: Tensor,
+    level: str = "token",
+    upper: float | None = 2.0,
+    lower: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Importance weights π_trainer / π_sampler correcting the rollout engine's mismatch.
+
+    Shapes: log_ratio [N, T] (trainer logp - sampler logp of the sampled tokens), mask [N, T]
+    -> (weights [N, T], metrics). Multiply the per-token policy loss by the weights.
+        level="token":     w_t = exp(clamp(log_ratio_t, -20, 20))
+        level="sequence":  w_i = exp(clamp(Σ_t m·log_ratio_t, -20, 20)), the same on every token of i
+    lower=None: truncated IS (TIS, Yao et al. 2025, "Your efficient RL framework secretly brings you
+    off-policy RL training"), w = min(w, upper). lower given: masked IS (IcePop-style), weights
+    outside [lower, upper] become 0 and the rest are NOT truncated. upper=None means no upper bound.
+    The weights carry no gradient (they are constants of the loss) and are 0 at masked positions.
+
+    metrics (detached 0-dim tensors over valid tokens, of the RETURNED weights): weight_mean,
+    weight_max (0 when nothing is valid), clipped_frac (share of valid tokens whose weight was
+    truncated or masked; a sequence-level weight counts once per token).
+    """
+    if level not in ROLLOUT_CORRECTION_LEVELS:
+        raise ValueError(
+            f"unknown rollout-correction level {level!r}; valid levels: {', '.join(ROLLOUT_CORRECTION_LEVELS)}"
+        )
+    if lower is not None and upper is not None and not lower < upper:
+        raise ValueError(f"rollout correction needs lower < upper, got lower={lower}, upper={upper}")
+    with torch.no_grad():
+        m = _valid(mask)
+        zero = torch.zeros_like(log_ratio)
+        lr = torch.where(m, log_ratio, zero)  # [N, T]
+        if level == "sequence":
+            lr = lr.sum(-1, keepdim=True).expand_as(lr)  # [N, T], one value per row
+        raw = torch.exp(lr.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        hi = math.inf if upper is None else upper
+        if lower is None:
+            cut = raw > hi
+            weights = raw.clamp(max=hi)
+        else:
+            cut = (raw < lower) | (raw > hi)
+            weights = torch.where(cut, zero, raw)
+        weights = torch.where(m, weights, zero)
+        metrics = {
+            "weight_mean": masked_mean(weights, m),
+            "weight_max": weights.amax() if weights.numel() else weights.new_zeros(()),
+            "clipped_frac": masked_mean(cut.to(weights.dtype), m),
+        }
+    return weights, metrics
 
 
 AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_sum_const")

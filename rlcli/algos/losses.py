@@ -1,6 +1,9 @@
 """Policy losses (DESIGN.md §5.3): registry `POLICY_LOSSES`, one signature for all.
 
-    fn(logp, old_logp, advantages, mask, cfg: AlgoConfig) -> (loss_mat [N, T], metrics)
+    fn(logp, old_logp, advantages, mask, cfg) -> (loss_mat [N, T], metrics)
+
+`cfg` is an `rlcli.algos.config.AlgoConfig` or the composed `algo` DictConfig (annotated `Any`:
+config.py imports this module, so importing AlgoConfig here would make an import circle).
 
 `loss_mat` is the per-token loss, 0 at masked positions; the trainer reduces it with
 `aggregate(loss_mat, mask, cfg.loss_agg, num_tokens=..., num_seqs=..., max_len=...)`, the counts
@@ -10,10 +13,11 @@ tensors named as in DESIGN.md §8 (without the `actor/` prefix).
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import Tensor
 
 from rlcli.algos import functional as F
-from rlcli.algos.config import AlgoConfig
 from rlcli.registry import Registry
 
 POLICY_LOSSES = Registry("policy loss")
@@ -25,7 +29,7 @@ value_loss = F.value_loss
 
 @POLICY_LOSSES.register("clipped")
 def clipped(
-    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, cfg: AlgoConfig
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, cfg: Any
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO/GRPO/DAPO clipped surrogate: clip_low/clip_high, optional dual clip and ratio clamp."""
     return F.clipped_policy_loss(
@@ -37,4 +41,24 @@ def clipped(
         clip_high=cfg.clip_high,
         dual_clip=cfg.dual_clip,
         ratio_clamp=cfg.ratio_clamp,
+    )
+
+
+@POLICY_LOSSES.register("gspo")
+def gspo(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, cfg: Any
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO (arXiv:2507.18071): the clipped surrogate on the length-normalised sequence ratio s_i."""
+    return F.gspo_policy_loss(
+        logp, old_logp, advantages, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high
+    )
+
+
+@POLICY_LOSSES.register("cispo")
+def cispo(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, cfg: Any
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO (arXiv:2506.13585): -sg(clip(ρ))·A·logp, every token keeps its gradient."""
+    return F.cispo_policy_loss(
+        logp, old_logp, advantages, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high
     )

@@ -15,8 +15,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from rlcli.answers import last_boxed
 from rlcli.data.templates import Prompt, last_user_index, unwrap
-from rlcli.eval_metrics import last_boxed
 from rlcli.registry import Registry
 
 ADAPTERS = Registry("data adapter")

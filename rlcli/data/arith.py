@@ -24,12 +24,12 @@ import hashlib
 import random
 import re
 
+from rlcli.answers import extract_final_answer_or_none
+
 SPLITS = ("train", "eval")
 OPS = ("+", "-")
 EVAL_PERCENT = 10
 """Share of all problems (by hash of the problem text) reserved for the eval split."""
-
-_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 
 
 def is_eval_problem(question: str) -> bool:
@@ -141,12 +141,7 @@ def arith_examples(
     return out
 
 
-def extract_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}` in `text` (no nested braces), stripped; None if absent."""
-    found = _BOXED.findall(text)
-    return found[-1].strip() if found else None
-
-
 def is_correct(response: str, answer: str) -> bool:
-    """Exact-match check of the boxed answer (a cheap stand-in for math-verify on this task)."""
-    return extract_boxed(response) == answer
+    """Exact match of the final answer, read by the reward's extractor (rlcli.answers), with the
+    ground truth: a cheap stand-in for math-verify on this task."""
+    return extract_final_answer_or_none(response) == answer

@@ -83,7 +83,9 @@ def ds_config(hw: Any, optim: Any) -> dict[str, Any]:
         "gradient_accumulation_steps": 1,
         "gradient_clipping": optim.max_grad_norm,
         "zero_optimization": zero,
-        "bf16": {"enabled": hw.precision == "bf16"},
+        # check_grad_overflow is DeepSpeed's default; spelled out because Engine.step relies on
+        # the bf16 wrappers skipping a step with a non-finite gradient norm.
+        "bf16": {"enabled": hw.precision == "bf16", "check_grad_overflow": True},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
@@ -139,26 +141,43 @@ class Engine:
         self.ds.backward(loss * world_size(), scale_wrt_gas=False)
 
     def step(self) -> StepResult:
-        """Apply the accumulated gradient unless its norm is not finite (then skip and count it)."""
-        norm = self._grad_norm()
-        if norm is not None and not math.isfinite(norm):
-            self.ds.zero_grad()
-            self.skipped_steps += 1
-            return StepResult(norm, applied=False)
-        self.ds.step()
-        self.scheduler.step()
-        if norm is None:  # ZeRO >= 2: gradients are partitioned; DeepSpeed computed the norm
-            norm = float(self.ds.get_global_grad_norm() or float("nan"))
-        return StepResult(norm, applied=True)
+        """Apply the accumulated gradient unless its global norm is not finite (then skip and count it).
 
-    def _grad_norm(self) -> float | None:
-        """Global grad norm before clipping, from the (already all-reduced) gradients.
-
-        With ZeRO 0/1 gradients sit in `p.grad` after the boundary backward; with ZeRO 2/3 they
-        are partitioned inside DeepSpeed's optimizer, so the non-finite guard is DeepSpeed's own.
+        The reported norm is the global L2 norm of the all-reduced gradient *before* clipping, the
+        same number at every ZeRO stage. Where DeepSpeed wraps the optimizer (ZeRO >= 1, bf16) the
+        wrapper computes that norm, skips a step whose norm is inf/NaN and says so through
+        `was_step_applied()`; a plain fp32 ZeRO-0 engine steps the client optimizer unchecked, so
+        there the norm comes from `p.grad` and the skip is ours. A skipped step never advances the
+        LR schedule (DeepSpeed only steps a schedule it owns, and it owns none here).
         """
-        if self.zero_stage >= 2:
-            return None
+        own_norm = None
+        if not self._ds_guards_step:
+            own_norm = self._grad_norm()
+            if not math.isfinite(own_norm):
+                self.ds.zero_grad()  # drop the bad gradient; parameters and optimizer state untouched
+                self.skipped_steps += 1
+                return StepResult(own_norm, applied=False)
+        self.ds.step()
+        applied = bool(self.ds.was_step_applied())
+        norm = own_norm if own_norm is not None else _as_float(self.ds.get_global_grad_norm())
+        if applied:
+            self.scheduler.step()
+        else:
+            self.skipped_steps += 1
+        return StepResult(norm, applied=applied)
+
+    @property
+    def _ds_guards_step(self) -> bool:
+        """Whether DeepSpeed's optimizer checks the gradient norm and skips a non-finite step itself.
+
+        DeepSpeed decides `was_step_applied()` from the wrapper's `overflow` attribute
+        (engine.py `_take_model_step`); the plain client optimizer (fp32, ZeRO 0) has none.
+        """
+        return hasattr(self.ds.optimizer, "overflow")
+
+    def _grad_norm(self) -> float:
+        """Global L2 grad norm before clipping, from the all-reduced `p.grad` (fp32 ZeRO 0 only:
+        ZeRO >= 1 moves gradients into DeepSpeed's flat partitions and leaves `p.grad` None)."""
         grads = [p.grad for p in self.ds.module.parameters() if p.grad is not None]
         if not grads:
             return 0.0
@@ -166,6 +185,14 @@ class Engine:
 
     def train(self) -> None:
         self.ds.train()
+
+
+def _as_float(norm: Any) -> float:
+    """DeepSpeed's norm as a float: a 0-d tensor (ZeRO 1/2), a float (bf16, overflow), or None
+    (ZeRO 1/2 with compute_grad_norm off, which rlcli never sets) -> NaN."""
+    if norm is None:
+        return float("nan")
+    return float(norm.item() if isinstance(norm, torch.Tensor) else norm)
 
 
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:

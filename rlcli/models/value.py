@@ -70,8 +70,8 @@ class CriticConfig:
     """distributional: lowest atom; returns below it are clamped (set the support to cover reward range incl. penalties)."""
     v_max: float = 1.0
     """distributional: highest atom; returns above it are clamped."""
-    pretrain_steps: int = 0
-    """VAPO value pretraining K: critic-only steps on rollouts of the frozen initial policy with Monte-Carlo returns (λ = 1) before any actor update (paper: 50); 0 = off."""
+    pretrain_steps: int = 50
+    """VAPO value pretraining K, when algo.value_pretrain is on: critic-only steps on rollouts of the frozen initial policy with Monte-Carlo returns (λ = 1) before any actor update (VAPO §5.1: "value network warmup for 50 steps")."""
     pretrain_ev_threshold: float | None = None
     """Stop value pretraining early once the explained variance of a fresh batch reaches this (e.g. 0.8, seed 001); null = run all pretrain_steps."""
     aug_w0: float | None = None
@@ -95,18 +95,13 @@ def validate_critic(cfg: Any) -> None:
     need(cfg.num_bins >= 2, "num_bins", ">= 2")
     if not cfg.v_min < cfg.v_max:
         raise ValueError(f"critic.v_min={cfg.v_min} must be < critic.v_max={cfg.v_max}")
-    need(cfg.pretrain_steps >= 0, "pretrain_steps", ">= 0 (0 = no value pretraining)")
+    need(cfg.pretrain_steps >= 1, "pretrain_steps", ">= 1 (algo.value_pretrain=false turns value pretraining off)")
     need(
         cfg.pretrain_ev_threshold is None or cfg.pretrain_ev_threshold <= 1.0,
         "pretrain_ev_threshold", "<= 1 (explained variance never exceeds 1) or null",
     )
     need(cfg.aug_w0 is None or 0.0 <= cfg.aug_w0 <= 1.0, "aug_w0", "in [0, 1] or null (off)")
     need(cfg.aug_kappa >= 0.0, "aug_kappa", ">= 0")
-    if cfg.aug_w0 is not None and cfg.pretrain_steps == 0 and cfg.path is None:
-        raise ValueError(
-            "critic.aug_w0 is set but there is no pretrained value model to mix in: set "
-            "critic.pretrain_steps > 0 or critic.path to a pretrained critic, or critic.aug_w0=null"
-        )
 
 
 # ---------------------------------------------------------------------------------------------------

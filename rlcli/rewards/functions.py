@@ -5,13 +5,11 @@ is a top-level function (the worker imports it by name) and is registered in :da
 ``options`` are RewardConfig fields the built-ins read (``length_target``, ``length_scale``); a
 function ignores the ones it does not use. User functions (``reward.custom``) take no options.
 
-Final-answer extraction (shared by ``math_verify`` and ``format``):
-- the final answer is the later of (a) the last ``\\boxed{...}`` and (b) the last line starting with
-  ``Answer:`` (DAPO's prompt format; case-insensitive, ``**Answer:**`` allowed);
-- a ``\\boxed{`` whose braces never close (a truncated response) means no answer; there is no fallback
-  to an earlier box, because the model did not finish the answer it gave last;
-- a response without either form has no answer and scores 0, even if a bare number appears in it:
-  RL must not reward an answer the model did not commit to.
+Final-answer extraction (shared by ``math_verify`` and ``format``) is
+:func:`rlcli.answers.extract_final_answer`, the one extractor that evaluation's maj@k and the arith
+task use too (its rules are in rlcli/answers.py): the later of the last box and the last ``Answer:``
+line; an unclosed last box is no answer; a response without either form has no answer and scores 0,
+even if a bare number appears in it.
 
 Pre-filters (why: they bound the work untrusted text can cause, cheaply, before any parser runs):
 text that is not valid Unicode (lone surrogates, e.g. undecodable UTF-8 bytes), contains NUL, or is
@@ -31,24 +29,13 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from rlcli.answers import MAX_BRACE_DEPTH as MAX_BRACE_DEPTH  # re-exported, see the docstring
+from rlcli.answers import MalformedResponse, extract_final_answer
 from rlcli.registry import Registry
 
 REWARDS = Registry("reward function")
 
-# LaTeX in real answers nests a few levels (\frac{\sqrt{..}}{..}); recursive-descent parsers
-# (antlr, sympy) blow their stacks or stall on thousands. 64 is far above any honest answer.
-MAX_BRACE_DEPTH = 64
-
-_BOXED = "\\boxed{"
-_ANSWER_LINE = re.compile(
-    r"^[ \t]*(?:\*\*)?answer(?:\*\*)?[ \t]*:(?:\*\*)?(.*)$", re.IGNORECASE | re.MULTILINE
-)
-_BRACE_TOKEN = re.compile(r"\\.|[{}]", re.DOTALL)  # an escaped char (\{, \}, \\) or a brace
 _UNESCAPED_DOLLAR = re.compile(r"(?<!\\)\$")
-
-
-class MalformedResponse(ValueError):
-    """Untrusted text that the reward refuses to parse (counted in reward/errors, scores 0)."""
 
 
 def check_text(text: Any, max_chars: int, what: str = "response") -> str:
@@ -69,56 +56,6 @@ def check_text(text: Any, max_chars: int, what: str = "response") -> str:
     if "\x00" in text:
         raise MalformedResponse(f"{what} contains a NUL character")
     return text
-
-
-def _check_nesting(text: str) -> None:
-    if text.count("{") <= MAX_BRACE_DEPTH:  # fast path: cannot nest deeper than it has braces
-        return
-    depth = 0
-    for m in _BRACE_TOKEN.finditer(text):
-        tok = m.group()
-        if tok == "{":
-            depth += 1
-            if depth > MAX_BRACE_DEPTH:
-                raise MalformedResponse(f"braces nested deeper than {MAX_BRACE_DEPTH}")
-        elif tok == "}":
-            depth = max(depth - 1, 0)
-
-
-def _boxed_content(text: str, start: int) -> str | None:
-    """Content of the brace group opened just before `start`, or None if it never closes."""
-    depth = 1
-    for m in _BRACE_TOKEN.finditer(text, start):
-        tok = m.group()
-        if tok == "{":
-            depth += 1
-        elif tok == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start : m.start()]
-    return None
-
-
-def extract_final_answer(response: str) -> str | None:
-    """The final answer's text (see module docstring), or None if the response gives none.
-
-    Raises MalformedResponse when braces are nested deeper than MAX_BRACE_DEPTH.
-    """
-    _check_nesting(response)
-    boxed_at = response.rfind(_BOXED)
-    line = None
-    for line in _ANSWER_LINE.finditer(response):  # noqa: B007 -- we want the last match
-        pass
-    if boxed_at >= 0 and (line is None or boxed_at > line.start()):
-        answer = _boxed_content(response, boxed_at + len(_BOXED))
-    elif line is not None:
-        # Markdown and sentence punctuation around a DAPO answer line: "**Answer:** 5." -> "5".
-        answer = line.group(1).strip().strip("*").strip().rstrip(".").strip()
-    else:
-        return None
-    if answer is None or not answer.strip():
-        return None
-    return answer.strip()
 
 
 def _parse_math(text: str) -> list[Any]:
@@ -154,8 +91,8 @@ def math_verify_reward(response: str, ground_truth: str, **options: Any) -> floa
 
 @REWARDS.register("format")
 def format_reward(response: str, ground_truth: str, **options: Any) -> float:
-    """1 if the response ends with a usable final answer (a closed, non-empty last \\boxed{} or a
-    non-empty last ``Answer:`` line, whichever comes later), else 0."""
+    """1 if the response ends with a usable final answer (a closed, non-empty last box or a non-empty
+    last ``Answer:`` line, whichever comes later: :func:`rlcli.answers.extract_final_answer`), else 0."""
     return 1.0 if extract_final_answer(response) is not None else 0.0
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -22,6 +24,35 @@ def response_mask_from_ids(response_ids: Tensor, eos_id: int) -> tuple[Tensor, T
     return mask, truncated
 
 
+def sampling_config(max_new_tokens: int, temperature: float, top_p: float, top_k: int, eos: int, pad: int) -> Any:
+    """The generation config of a rollout, built from `rollout.*` alone: sampling at `temperature`
+    with top-p/top-k (temperature 0 = greedy), and nothing else that changes the distribution."""
+    from transformers import GenerationConfig
+
+    sample = temperature > 0
+    return GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=sample, eos_token_id=eos, pad_token_id=pad, use_cache=True,
+        temperature=temperature if sample else None, top_p=top_p if sample else None,
+        top_k=top_k if sample else None,
+    )
+
+
+@contextmanager
+def own_generation_config(model: torch.nn.Module) -> Iterator[None]:
+    """Hide the checkpoint's generation_config during `generate`. transformers fills every field a passed
+    config leaves unset from `model.generation_config` (a `repetition_penalty` of an instruct model,
+    say), which would change the sampled distribution but not the scored one; sampling must equal
+    scoring, so the library defaults stand in for the checkpoint's for the duration of the call."""
+    from transformers import GenerationConfig
+
+    saved = model.generation_config
+    model.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        model.generation_config = saved
+
+
 @torch.no_grad()
 def generate(
     model: torch.nn.Module,
@@ -35,10 +66,13 @@ def generate(
     top_k: int = 0,
     batch_size: int = 128,
     group_offset: int = 0,
+    with_logprobs: bool = False,
 ) -> RolloutBatch:
     """Sample `n` responses for each prompt. Rows are grouped: prompt i owns rows i*n .. i*n+n-1.
 
-    temperature == 0 means greedy decoding (evaluation only).
+    temperature == 0 means greedy decoding (evaluation only). `with_logprobs` also returns the
+    sampler's own log-probs of the sampled tokens (`rollout_logp`, from the processed scores generate
+    sampled from; this keeps [b, V] scores per generated token, so ask for it only when it is used).
     """
     device = next(model.parameters()).device
     tokenizer.padding_side = "left"
@@ -46,26 +80,21 @@ def generate(
     prompt_ids = enc["input_ids"].repeat_interleave(n, 0)  # [P*G, Tp]
     prompt_mask = enc["attention_mask"].repeat_interleave(n, 0)  # [P*G, Tp]
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    sample = temperature > 0
-    gen_kwargs: dict[str, Any] = dict(
-        max_new_tokens=max_new_tokens,
-        do_sample=sample,
-        eos_token_id=eos,
-        pad_token_id=pad,
-        use_cache=True,
-    )
-    if sample:
-        gen_kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k)
-    else:
-        gen_kwargs.update(temperature=None, top_p=None, top_k=None)
+    config = sampling_config(max_new_tokens, temperature, top_p, top_k, eos, pad)
     was_training = model.training
     model.eval()
-    chunks = []
-    for s in range(0, prompt_ids.shape[0], batch_size):
-        ids = prompt_ids[s : s + batch_size].to(device)
-        am = prompt_mask[s : s + batch_size].to(device)
-        out = model.generate(input_ids=ids, attention_mask=am, **gen_kwargs)  # [b, Tp + t]
-        chunks.append(out[:, ids.shape[1] :].cpu())
+    chunks, logp_chunks = [], []
+    with own_generation_config(model):
+        for s in range(0, prompt_ids.shape[0], batch_size):
+            ids = prompt_ids[s : s + batch_size].to(device)
+            am = prompt_mask[s : s + batch_size].to(device)
+            out = model.generate(input_ids=ids, attention_mask=am, generation_config=config,
+                                 output_scores=with_logprobs, return_dict_in_generate=True)
+            new = out.sequences[:, ids.shape[1] :]  # [b, t]
+            chunks.append(new.cpu())
+            if with_logprobs:
+                scores = torch.stack(out.scores, 1).float()  # [b, t, V] processed logits that were sampled from
+                logp_chunks.append(torch.log_softmax(scores, -1).gather(-1, new[..., None]).squeeze(-1).cpu())
     model.train(was_training)
     t = max(c.shape[1] for c in chunks)
     response_ids = torch.cat(
@@ -73,6 +102,10 @@ def generate(
     )  # [N, T]
     response_mask, truncated = response_mask_from_ids(response_ids, eos)
     response_ids = torch.where(response_mask.bool(), response_ids, torch.full_like(response_ids, pad))
+    rollout_logp = None
+    if with_logprobs:
+        rollout_logp = torch.cat([torch.nn.functional.pad(c, (0, t - c.shape[1])) for c in logp_chunks])
+        rollout_logp = rollout_logp.nan_to_num(neginf=0.0) * response_mask  # [N, T], 0 on padding
     texts = tokenizer.batch_decode(
         [ids[: int(m.sum())] for ids, m in zip(response_ids, response_mask)], skip_special_tokens=True
     )
@@ -86,4 +119,6 @@ def generate(
         group_index=group_index,
         answers=[a for a in answers for _ in range(n)],
         texts=texts,
+        rollout_logp=rollout_logp,
+        stale=torch.zeros(len(group_index), dtype=torch.bool),
     )

@@ -1,13 +1,17 @@
-"""Reward shapers (DESIGN.md §5.1), applied in registration order after the task reward.
+"""Reward shapers (DAPO, Yu et al. 2025, arXiv:2503.14476 §3.4), applied in registration order after the
+task reward.
 
-One signature: `fn(batch, algo_cfg, rollout_cfg) -> metrics`; each reads its own switch and
-edits `batch.scores` or `batch.loss_mask` in place. Dynamic sampling, the third DAPO shaping step,
-is a filter over whole groups and lives in the trainer's collect stage.
+One signature: `fn(batch, algo_cfg, rollout_cfg) -> (batch, metrics)`; each reads its own switch and
+returns the batch with `scores` or `loss_mask` replaced, and per-trajectory [N] metric tensors (averaged
+over every sampled trajectory of the step, all ranks). Dynamic sampling, the third DAPO step, is a
+filter over whole groups: `rlcli.rollout.sampler`.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from torch import Tensor
 
 from rlcli.algos.functional import soft_overlong_penalty
 from rlcli.batch import RolloutBatch
@@ -17,28 +21,28 @@ SHAPERS = Registry("reward shaper")
 
 
 @SHAPERS.register("soft_overlong_punishment")
-def soft_overlong(batch: RolloutBatch, algo: Any, rollout: Any) -> dict[str, float]:
-    """DAPO Eq. 13: a linear penalty inside the last `rollout.overlong_buffer_len` tokens."""
+def soft_overlong(b: RolloutBatch, algo: Any, rollout: Any) -> tuple[RolloutBatch, dict[str, Tensor]]:
+    """DAPO Eq. 13: a linear penalty inside the last `rollout.overlong_buffer_len` tokens, added to the reward."""
     if not algo.soft_overlong:
-        return {}
+        return b, {}
     pen = soft_overlong_penalty(
-        batch.lengths.float(), rollout.max_new_tokens, rollout.overlong_buffer_len, algo.overlong_penalty_factor
+        b.lengths.float(), rollout.max_new_tokens, rollout.overlong_buffer_len, algo.overlong_penalty_factor
     )  # [N]
-    batch.scores = batch.scores + pen
-    return {"overlong/penalty_mean": pen.mean().item()}
+    return b.replace(scores=b.scores + pen), {"overlong/penalty_mean": pen}
 
 
 @SHAPERS.register("overlong_filter")
-def overlong_filter(batch: RolloutBatch, algo: Any, rollout: Any) -> dict[str, float]:
-    """DAPO §3.4: truncated responses keep their reward but are masked out of the loss."""
-    batch.loss_mask = batch.response_mask.clone()
+def overlong_filter(b: RolloutBatch, algo: Any, rollout: Any) -> tuple[RolloutBatch, dict[str, Tensor]]:
+    """DAPO overlong filtering: truncated responses keep their reward but are masked out of the loss."""
+    loss_mask = b.response_mask.clone()  # [N, T]
     if algo.overlong_filter:
-        batch.loss_mask[batch.truncated] = 0.0
-    return {"overlong/truncated_frac": batch.truncated.float().mean().item()}
+        loss_mask[b.truncated] = 0.0
+    return b.replace(loss_mask=loss_mask), {"overlong/truncated_frac": b.truncated.float()}
 
 
-def shape(batch: RolloutBatch, algo: Any, rollout: Any) -> dict[str, float]:
-    metrics: dict[str, float] = {}
+def shape(b: RolloutBatch, algo: Any, rollout: Any) -> tuple[RolloutBatch, dict[str, Tensor]]:
+    metrics: dict[str, Tensor] = {}
     for fn in SHAPERS.values():
-        metrics.update(fn(batch, algo, rollout))
-    return metrics
+        b, m = fn(b, algo, rollout)
+        metrics.update(m)
+    return b, metrics

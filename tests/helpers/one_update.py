@@ -24,11 +24,9 @@ def main() -> None:
     b = generate(t.actor.module, t.tokenizer, [p["prompt"] for p in prompts], [p["answer"] for p in prompts],
                  r.n, r.max_new_tokens, r.temperature)
     out = t.rewards(b.texts, b.answers)
-    b.scores, b.acc = out.score.clone(), out.acc
-    shape(b, cfg.algo, r)
-    b.stale = torch.zeros(len(b), dtype=torch.bool)
+    b, _ = shape(b.replace(scores=out.score.clone(), acc=out.acc), cfg.algo, r)
     b = b.select_groups(b.groups[t.rank :: t.world])  # this rank's share of whole groups
-    t.score(b)
+    b = b.replace(**t.score(b, 1))
     grads: dict[str, torch.Tensor] = {}
     apply = t.actor.step
 
@@ -37,9 +35,12 @@ def main() -> None:
         return apply()
 
     t.actor.step = step
-    metrics: dict[str, float] = {}
-    t.advantage(b, 1, metrics)
-    t.update(b, metrics)
+    rewards, kl = t.token_rewards(b)
+    advantages, returns = t.advantages(b, rewards, 1)
+    b = b.replace(advantages=advantages, returns=returns)
+    counts = {f"dynamic_sampling/{k}": 0.0 for k in ("gen_batches", "generated_groups", "kept_groups", "carried")}
+    metrics = {**t.sampling_metrics(b, [b], {}, counts), **t.batch_metrics(b), **t.update_kl_controller(b, kl),
+               **t.update(b)}
     if t.rank == 0:
         torch.save({"metrics": metrics, "grads": grads}, sys.argv[2])
     t.rewards.close()

@@ -1,0 +1,47 @@
+"""Reductions over ranks for what the loop logs and decides: every rank calls these at the same places.
+
+In one process they are local computations; with several ranks each is one collective (gloo or nccl).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def all_reduce(x: Tensor, op: str = "sum") -> Tensor:
+    """A copy of `x` reduced over ranks with `op` in sum | max | min."""
+    x = x.clone()
+    if _world() > 1:
+        dist.all_reduce(x, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
+    return x
+
+
+def agree_min(k: int) -> int:
+    """The smallest `k` over all ranks (ranks agree on a count before running collectives on it)."""
+    return int(all_reduce(torch.tensor([k], dtype=torch.long), "min").item())
+
+
+def global_stats(values: dict[str, Tensor]) -> dict[str, dict[str, float]]:
+    """{name: 1-D values on this rank} -> {name: {mean, std, max, n}} over every rank's values.
+
+    std is the unbiased (n-1) standard deviation (0 for n <= 1); an empty set has mean 0 and max -inf.
+    Two collectives whatever the number of names.
+    """
+    names = sorted(values)
+    flat = [values[k].detach().reshape(-1).to(torch.float64).cpu() for k in names]
+    sums = torch.tensor([[v.sum().item(), (v * v).sum().item(), float(v.numel())] for v in flat],
+                        dtype=torch.float64).reshape(-1, 3)  # [K, 3]
+    maxes = torch.tensor([v.max().item() if v.numel() else float("-inf") for v in flat], dtype=torch.float64)
+    sums, maxes = all_reduce(sums), all_reduce(maxes, "max")
+    out = {}
+    for k, (s, sq, n), mx in zip(names, sums.tolist(), maxes.tolist()):
+        mean = s / n if n else 0.0
+        var = max(sq - n * mean * mean, 0.0) / (n - 1) if n > 1 else 0.0
+        out[k] = {"mean": mean, "std": var**0.5, "max": mx, "n": n}
+    return out

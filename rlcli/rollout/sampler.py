@@ -1,0 +1,119 @@
+"""Whole-group sampling with DAPO dynamic sampling and the carry of surplus groups.
+
+DAPO (Yu et al. 2025, arXiv:2503.14476, §3.2 and Algorithm 1) drops every group whose accuracy has no
+variance (all right or all wrong: zero advantage, zero gradient) and samples further batches until
+the step holds P informative groups. Groups found beyond P are carried to the next step instead of
+being discarded (verl discards them). A carried group was sampled by the policy before this step's
+update, so its old log-probs are recorded once, under that policy, when it is first carried, and never
+recomputed: the PPO ratio of a carried row is then π_now / π_sampler, as importance sampling needs.
+
+Everything here works on `RolloutBatch` objects of plain tensors: the model enters only through the
+two callables `GroupSampler.collect` receives, so the logic is tested without one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from rlcli.batch import RolloutBatch
+
+
+class DynamicSamplingExhausted(RuntimeError):
+    """Dynamic sampling hit algo.max_gen_batches before it found P informative groups."""
+
+
+def informative_groups(values: Tensor, group_index: Tensor) -> Tensor:
+    """Ids of the groups whose `values` vary inside the group (0 < #correct < G for accuracy).
+
+    Shapes: values [N], group_index [N] -> [P'] group ids in order of first appearance. A group of one
+    response has no variance to lose and is kept.
+    """
+    ids, inv = torch.unique(group_index, return_inverse=True)
+    v = values.to(torch.float64)
+    empty = torch.zeros(len(ids), dtype=v.dtype)
+    spread = empty.scatter_reduce(0, inv, v, "amax", include_self=False) - empty.scatter_reduce(
+        0, inv, v, "amin", include_self=False
+    )  # [P]
+    size = torch.bincount(inv, minlength=len(ids))  # [P]
+    keep = set(ids[(spread > 0) | (size == 1)].tolist())
+    order = RolloutBatch.first_appearance(group_index)
+    return torch.tensor([g for g in order.tolist() if g in keep], dtype=torch.long)
+
+
+class GroupSampler:
+    """Fills a step with `need` groups per rank, refilling under dynamic sampling and carrying the surplus.
+
+    `agree(k)` returns the minimum of `k` over all ranks (identity in one process). Every rank runs the
+    same number of generation batches and keeps the same number of groups, so all ranks then run the
+    same optimizer steps and collectives (with `train_on_partial` too).
+    """
+
+    def __init__(
+        self, need: int, dynamic: bool, filter_metric: str, max_gen_batches: int, train_on_partial: bool,
+        agree: Callable[[int], int] = lambda k: k,
+    ):
+        self.need, self.dynamic, self.filter_metric = need, dynamic, filter_metric
+        self.max_gen_batches, self.train_on_partial, self.agree = max_gen_batches, train_on_partial, agree
+        self.carry: RolloutBatch | None = None
+
+    def filter_values(self, b: RolloutBatch) -> Tensor:
+        """[N] the per-trajectory metric whose within-group variance decides (acc, or score)."""
+        return b.acc if self.filter_metric == "acc" else b.scores
+
+    def collect(
+        self, sample: Callable[[], RolloutBatch], record_old_logp: Callable[[RolloutBatch], Tensor]
+    ) -> tuple[RolloutBatch, list[RolloutBatch], dict[str, float]]:
+        """-> (the step's batch of `need` groups, the generation batches sampled for it (the pool), counts).
+
+        `sample()` returns one generated, rewarded and shaped batch of fresh rows (`stale` all False).
+        `record_old_logp(b)` returns [n, T] log-probs of `b` under the current (sampling) policy; it is
+        called only for fresh rows about to be carried.
+        """
+        parts = [self.carry] if self.carry is not None else []
+        carried = len(self.carry.groups) if self.carry is not None else 0
+        self.carry = None
+        pool: list[RolloutBatch] = []
+        kept = carried
+        while (held := self.agree(kept)) < self.need:
+            if len(pool) == self.max_gen_batches:
+                if self.train_on_partial and held > 0:
+                    break
+                raise DynamicSamplingExhausted(
+                    f"dynamic sampling found only {kept} informative groups of the {self.need} needed per rank "
+                    f"after algo.max_gen_batches={self.max_gen_batches} generation batches of "
+                    f"{len(pool[0].groups) if pool else 0} prompts: raise algo.max_gen_batches or "
+                    "rollout.gen_prompts_per_step, or set algo.train_on_partial=true"
+                )
+            b = sample()
+            pool.append(b)
+            if self.dynamic:
+                b = b.select_groups(informative_groups(self.filter_values(b), b.group_index))
+            kept += len(b.groups)
+            parts.append(b)
+        take = min(held, self.need)
+        batch = RolloutBatch.cat([p for p in parts if len(p)])
+        groups = batch.groups
+        if len(groups) > take:
+            self.carry = self.stale_copy(batch.select_groups(groups[take:]), record_old_logp)
+            batch = batch.select_groups(groups[:take])
+        generated = sum(len(p.groups) for p in pool)
+        counts = {
+            "dynamic_sampling/gen_batches": float(len(pool)),
+            "dynamic_sampling/generated_groups": float(generated),
+            "dynamic_sampling/kept_groups": float(kept - carried),
+            "dynamic_sampling/carried": float(carried),
+        }
+        return batch, pool, counts
+
+    @staticmethod
+    def stale_copy(b: RolloutBatch, record_old_logp: Callable[[RolloutBatch], Tensor]) -> RolloutBatch:
+        """`b` marked stale, with old log-probs recorded for its fresh rows only: a row carried before
+        keeps the log-probs of the policy that sampled it."""
+        old = b.old_logp.clone() if b.old_logp is not None else torch.zeros_like(b.response_mask)
+        fresh = (~b.stale).nonzero().squeeze(-1)  # [n_fresh]
+        if len(fresh):
+            old[fresh] = record_old_logp(b.select(fresh))
+        return b.replace(old_logp=old, stale=torch.ones(len(b), dtype=torch.bool))

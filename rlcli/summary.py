@@ -1,0 +1,52 @@
+"""The start-up summary `rlcli train` prints: units, derived batch sizes, and what will be loaded."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def startup_summary(t: Any) -> str:
+    """The start-up summary of a Trainer `t`: what was loaded, the algorithm, and every batch unit."""
+    cfg, a, r, hw = t.cfg, t.cfg.algo, t.cfg.rollout, t.cfg.hw
+    # ZeRO-3 leaves empty placeholders in the module; ds_numel is the full count of a partitioned one.
+    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in t.actor.module.parameters())
+    p, g = t.P, t.G
+    mb_traj = p * g // a.mini_batches
+    d = cfg.data
+    digits = f"{d.min_digits}" + (f"-{d.max_digits}" if d.max_digits != d.min_digits else "")
+    lines = [
+        "rlcli train",
+        f"  run dir        {cfg.run_dir}",
+        f"  model          {cfg.model.name}: {t.model_path} ({t.model_source})",
+        f"  parameters     {n_params / 1e6:.2f}M, dtype {cfg.model.dtype}, precision {hw.precision}",
+        f"  hardware       {hw.name}: device {hw.device}, world size {t.world}, ZeRO-{hw.zero_stage}",
+        f"  algorithm      {a.name}: advantage={a.adv_estimator} loss={a.policy_loss} "
+        f"clip=({a.clip_low}, {a.clip_high}) agg={a.loss_agg} kl_coef={a.kl_coef}"
+        f"{' (in reward)' if a.kl_in_reward else ''} reference model={'yes' if t.ref is not None else 'no'}",
+        f"  shaping        overlong_filter={a.overlong_filter} soft_overlong={a.soft_overlong} "
+        f"(buffer {r.overlong_buffer_len} of {r.max_new_tokens} tokens) "
+        f"dynamic_sampling={a.dynamic_sampling}",
+        f"  reward         {dict(cfg.reward.weights)}",
+        "  critic         "
+        + (f"{cfg.critic.head} head from {cfg.critic.path or 'the policy'}, lr {cfg.critic.lr}, "
+           f"value pretraining {t.pretrain_steps} steps" if t.critic is not None else "none"),
+        "  batch units per step",
+        f"    prompts P            {p} ({t.p_local} per rank)"
+        + (f", group sampling x{r.group_sampling_factor}" if a.group_sampling else ""),
+        f"    responses/prompt G   {g}",
+        f"    trajectories N=P*G   {p * g}",
+        f"    mini-batches         {a.mini_batches} x {a.ppo_epochs} epoch(s) = "
+        f"{a.mini_batches * a.ppo_epochs} optimizer steps/step, {mb_traj} trajectories each",
+        f"    micro-batch          {hw.micro_batch} trajectories"
+        + (f", <= {hw.max_tokens_per_micro_batch} tokens" if hw.max_tokens_per_micro_batch else ""),
+        f"    old-logprob pass     {'skipped (on-policy)' if t.on_policy else 'yes'}",
+        f"  schedule       {cfg.steps} steps = {t.optimizer_steps} optimizer steps, lr {cfg.optim.lr} "
+        f"({cfg.optim.scheduler}, warmup {cfg.optim.warmup_steps})",
+        f"  lengths        max_new_tokens {r.max_new_tokens}, temperature {r.temperature}, "
+        f"top_p {r.top_p}, top_k {r.top_k}",
+        f"  data           {cfg.data.name}"
+        + (f" ({digits}-digit operands)" if d.source == "arith" else "")
+        + f": {len(t.train_prompts.examples)} train, "
+        f"{len(t.eval_examples)} eval prompts; {t.train_report.summary()}",
+    ]
+    return "\n".join(lines)
