@@ -32,7 +32,7 @@ def startup_summary(t: Any) -> str:
            f"value pretraining {t.pretrain_steps} steps" if t.critic is not None else "none"),
         "  batch units per step",
         f"    prompts P            {p} ({t.p_local} per rank)"
-        + (f", group sampling x{r.group_sampling_factor}" if a.group_sampling else ""),
+        + ("" if a.group_sampling else f" (no group sampling: {r.prompts_per_step} x {r.n} prompts, 1 response each)"),
         f"    responses/prompt G   {g}",
         f"    trajectories N=P*G   {p * g}",
         f"    mini-batches         {a.mini_batches} x {a.ppo_epochs} epoch(s) = "

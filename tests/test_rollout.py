@@ -42,3 +42,39 @@ def test_generate_returns_whole_groups():
     assert b.group_index.tolist() == [10, 10, 10, 11, 11, 11] and b.answers == ["2"] * 3 + ["25"] * 3
     assert b.response_ids.shape[0] == 6 and (b.lengths <= 6).all()
     assert (b.truncated == (b.lengths == 6) & (b.response_ids[:, -1] != tok.eos_token_id)).all()
+
+
+def test_sampling_equals_scoring_for_a_checkpoint_whose_generation_config_changes_the_distribution(tmp_path):
+    """An instruct checkpoint's generation_config (here repetition_penalty 1.3, no_repeat_ngram_size 2,
+    top_k 5) must not reach the sampler: rlcli samples from exactly the distribution it scores. The
+    sampler's own log-probs (`rollout_logp`, the processed scores generate sampled from) must equal the
+    training log-probs of the saved checkpoint reloaded from disk. With the checkpoint's config in force
+    they differ by far more than rounding (checked below), so this fails if it leaks back in."""
+    from transformers import AutoModelForCausalLM
+
+    tok = load_tiny_tokenizer()
+    model = build_tiny_model(TinyModelConfig(), tok, seed=0)
+    model.generation_config.repetition_penalty = 1.3
+    model.generation_config.no_repeat_ngram_size = 2
+    model.generation_config.top_k = 5
+    model.generation_config.do_sample = True
+    model.save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert model.generation_config.repetition_penalty == 1.3  # the checkpoint carries it
+    prompts = ["Q: 313+897=?\nA:", "Q: 1+2=?\nA:"]
+    torch.manual_seed(0)
+    b = generate(model, tok, prompts, ["1210", "3"], n=4, max_new_tokens=16, temperature=0.8, with_logprobs=True)
+    logp, _ = response_logprobs(model, b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask, 0.8)
+    gap = ((b.rollout_logp - logp) * b.response_mask).abs().max().item()
+    assert gap < 1e-4, gap
+    assert model.generation_config.repetition_penalty == 1.3  # restored after sampling
+    # The checkpoint's own config does change the distribution (so the test above can fail).
+    torch.manual_seed(0)
+    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    out = model.generate(**enc, max_new_tokens=16, do_sample=True, temperature=0.8, pad_token_id=tok.pad_token_id,
+                         output_scores=True, return_dict_in_generate=True)
+    resp = out.sequences[:, enc["input_ids"].shape[1]:]
+    sampled = torch.stack([s.log_softmax(-1) for s in out.scores], 1).gather(-1, resp[..., None]).squeeze(-1)
+    mask, _ = response_mask_from_ids(resp, tok.eos_token_id)
+    scored, _ = response_logprobs(model, enc["input_ids"], enc["attention_mask"], resp, mask, 0.8)
+    assert ((sampled - scored) * mask).abs().max().item() > 0.05

@@ -76,6 +76,10 @@ def test_two_steps_change_every_parameter_and_log_finite_metrics(two_step_run):
     assert b.keys() == a.keys()
     unchanged = [n for n in b if torch.equal(b[n], a[n])]
     assert not unchanged, unchanged
+    # Every logged key is defined in the metrics glossary.
+    from metric_names import undocumented
+
+    assert not undocumented({k for r in rows for k in r}, reward_parts=("sevens", "math_verify")), rows[-1].keys()
     # The start-up summary states the units and what was loaded.
     for text in ("trajectories N=P*G   16", "reference model=yes", "old-logprob pass     skipped (on-policy)"):
         assert text in out.stdout

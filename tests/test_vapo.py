@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 from conftest import CONF
+from metric_names import undocumented
 from hydra import compose, initialize_config_dir
 
 from rlcli.algos.advantages import AdvantageInputs, compute_advantages
@@ -130,6 +131,7 @@ def test_ppo_and_vapo_train_two_steps(algo, tmp_path, monkeypatch):
                       "actor/pg_loss", "actor/entropy"):
                 assert k in m, k
             assert ("actor/nll_loss" in m) == (algo == "vapo")
+            assert not undocumented(m, reward_parts=("sevens",))
         assert all(not torch.equal(before[n], p) for n, p in t.actor.module.named_parameters())
     finally:
         t.rewards.close()

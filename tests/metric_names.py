@@ -1,0 +1,22 @@
+"""The metrics glossary check: every key a run logs is defined in docs/metrics.md."""
+
+import re
+
+from conftest import ROOT
+
+
+def undocumented(keys, reward_parts=()):
+    """Keys of `keys` that docs/metrics.md does not define (suffixes, `@k` and reward parts normalised)."""
+    text = (ROOT / "docs" / "metrics.md").read_text()
+    missing = []
+    for key in keys:
+        if key == "step":
+            continue
+        name = re.sub(r"_(before|after)$", "", key)
+        name = name.removeprefix("pretrain/") if name != "pretrain/step" else name
+        name = re.sub(r"@\d+$", "@k", name)
+        if name.removeprefix("reward/") in reward_parts:
+            name = "reward/<name>"
+        if f"`{name}`" not in text:
+            missing.append(key)
+    return missing
