@@ -1,6 +1,6 @@
 """The rollout batch: the tensors of one step with named shapes, and group helpers.
 
-Letters as in DESIGN.md §4: N trajectories (P prompts x G responses), Tp padded prompt length
+Letters as in docs/design.md#units: N trajectories (P prompts x G responses), Tp padded prompt length
 (left-padded), T padded response length (right-padded).
 """
 
@@ -25,7 +25,7 @@ class RolloutBatch:
     prompt_ids: Tensor  # [N, Tp] left-padded
     prompt_mask: Tensor  # [N, Tp] 1 on prompt tokens
     response_ids: Tensor  # [N, T] right-padded
-    response_mask: Tensor  # [N, T] 1 on generated tokens incl. EOS (DESIGN.md §4)
+    response_mask: Tensor  # [N, T] 1 on generated tokens incl. EOS (docs/design.md#masks)
     truncated: Tensor  # [N] bool: hit max_new_tokens without EOS
     group_index: Tensor  # [N] int: responses of one prompt share an index
     answers: list[str]  # [N] ground truth per trajectory

@@ -1,6 +1,6 @@
 """`rlcli <command> [hydra overrides]`: train | sft | eval | ladder | plot | explain.
 
-Compose once, freeze, fan out (DESIGN.md §3): this process composes the config with Hydra,
+Compose once, freeze, fan out (docs/design.md#config): this process composes the config with Hydra,
 validates it, writes run_dir/config.yaml, then trains in-process (hw.nproc == 1) or launches
 `hw.nproc` torchrun workers that load the frozen YAML and never run Hydra themselves.
 """

@@ -1,11 +1,11 @@
 """The run configuration: one dataclass schema, registered in Hydra's ConfigStore.
 
-Defaults live here and only here (STYLE.md habit 3). YAML files under `conf/` set values; the root
+Defaults live here and only here (docs/design.md#config). YAML files under `conf/` set values; the root
 schema is the first entry of `conf/config.yaml`'s defaults list, so every group option, recipe and
 command-line override is merged into a typed, struct-mode tree: a misspelled key or a wrong type
 fails at compose time, before any model is built, with the offending key in the message.
 
-Batch units (DESIGN.md §4), each stated once and printed at start-up:
+Batch units (docs/design.md#units), each stated once and printed at start-up:
   P = rollout.prompts_per_step, G = rollout.n, N = P*G trajectories per step,
   algo.mini_batches optimizer steps per epoch, algo.ppo_epochs epochs,
   hw.micro_batch / hw.max_tokens_per_micro_batch: memory only, never the math.
@@ -65,7 +65,7 @@ class RolloutConfig:
     overlong_buffer_len: int = 8
     """L_c: the soft overlong punishment buffer at the end of the budget, in tokens (DAPO: 4096 of 20480)."""
     temperature: float = 1.0
-    """Sampling temperature; log-probs for the loss use logits divided by it (DESIGN.md §5)."""
+    """Sampling temperature; log-probs for the loss use logits divided by it (docs/design.md#conventions)."""
     top_p: float = 1.0
     """Nucleus sampling threshold (1.0 = off)."""
     top_k: int = 0
@@ -89,7 +89,7 @@ class OptimConfig:
     scheduler: str = "constant_with_warmup"
     """transformers.get_scheduler name: constant_with_warmup | cosine | linear."""
     max_grad_norm: float = 1.0
-    """Global gradient-norm clip (DESIGN.md §5.5); steps with a non-finite norm are skipped."""
+    """Global gradient-norm clip (docs/design.md#conventions); steps with a non-finite norm are skipped."""
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Evaluation metrics over k sampled responses per prompt: pure functions, no model.
 
-Names follow the field's habits (DESIGN.md §8):
+Names follow the field's habits (docs/metrics.md, "Evaluation"):
   acc_avg@k  mean accuracy over the k samples of each prompt, averaged over prompts
              (DAPO / VAPO report AIME "avg@32" this way);
   pass@k     unbiased estimate of P(at least one of k samples is correct) from n >= k samples

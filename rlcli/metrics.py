@@ -1,6 +1,6 @@
 """Metric sinks (stdout, run_dir/metrics.jsonl, wandb) and stage timers.
 
-Metric names follow the field's habits and are defined once in DESIGN.md §8 / docs/metrics.md:
+Metric names follow the field's habits and are defined once in docs/metrics.md:
 `reward/mean`, `acc/mean`, `actor/pg_loss`, `timing_s/rollout`, ...
 """
 

@@ -1,4 +1,4 @@
-"""Name -> function registries: the way algorithms plug into the one loop (DESIGN.md §3).
+"""Name -> function registries: the way algorithms plug into the one loop (docs/design.md#registries).
 
 Every kind (advantage estimators, policy losses, aggregations, KL estimators, reward functions,
 reward shapers) is a :class:`Registry`. Adding an algorithm is one decorated function; an unknown

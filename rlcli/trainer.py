@@ -233,18 +233,26 @@ class Trainer:
                 )  # [N_gen = gen_p_local * G rows]
             self.next_group += len(prompts)
             with timer("reward"):
-                out = self.rewards(b.texts, b.answers)
-            for k in REWARD_COUNTS:
-                counts[f"reward/{k}"] += out.metrics[f"reward/{k}"]
+                b, reward_counts = self.reward(b)
+            for k, v in reward_counts.items():
+                counts[k] += v
             with timer("shape"):
-                extras = {f"reward/{k}": v for k, v in out.parts.items()}
-                b, shaped = shape(b.replace(scores=out.score.clone(), acc=out.acc, extras=extras), a, r)
+                b, shaped = shape(b, a, r)
             for k, v in shaped.items():
                 per_trajectory[k].append(v)
             return b
 
         batch, pool, sampling = self.sampler.collect(sample, lambda b: self.logprobs(self.actor.module, b))
         return batch, self.sampling_metrics(batch, pool, per_trajectory, {**counts, **sampling})
+
+    def reward(self, b: RolloutBatch) -> tuple[RolloutBatch, dict[str, float]]:
+        """Stage 2: -> (`b` with its task reward `scores` [N], correctness `acc` [N] and each reward
+        function's part `extras["reward/<name>"]` [N]; the verifier's timeout/error/restart counts)."""
+        out = self.rewards(b.texts, b.answers)
+        extras = {f"reward/{k}": v for k, v in out.parts.items()}
+        return b.replace(scores=out.score.clone(), acc=out.acc, extras=extras), {
+            f"reward/{k}": out.metrics[f"reward/{k}"] for k in REWARD_COUNTS
+        }
 
     def sampling_metrics(self, batch: RolloutBatch, pool: list[RolloutBatch], per_trajectory: dict[str, list[Tensor]],
                          counts: dict[str, float]) -> dict[str, float]:
@@ -330,6 +338,7 @@ class Trainer:
         inp = AdvantageInputs(
             scores=batch.scores, token_rewards=rewards, mask=batch.loss_mask, group_index=batch.group_index,
             lengths=batch.lengths, values=batch.adv_values, step=step, total_steps=self.cfg.steps,
+            reduce=all_reduce if self.world > 1 else None,
         )
         return compute_advantages(inp, algo or self.cfg.algo)
 

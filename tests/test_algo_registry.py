@@ -218,7 +218,7 @@ def test_schema_is_a_structured_config_with_docstrings():
     assert set(AGG_MODES) == {"token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_sum_const"}
 
 
-# DESIGN.md §6, the rows this module owns.
+# The presets table of docs/algorithms.md, the rows this module owns.
 PRESETS = {
     "grpo": dict(adv_estimator="grpo", clip_low=0.2, clip_high=0.2, loss_agg="seq_mean_token_mean",
                  kl_coef=0.04, kl_estimator="k3", kl_in_reward=False),

@@ -221,3 +221,24 @@ def test_every_schema_field_is_read_by_code_outside_the_schema():
         if not any(pattern.search(text) for text in texts):
             unread.append(key)
     assert not unread, f"schema fields read by no code: {unread}"
+
+
+def test_no_citation_of_unshipped_documents():
+    """Comments, docstrings, help strings and docs cite only what ships with rlcli: papers by arXiv id
+    and docs/*.md, never the design brief, the style notes or the seed documents the project was
+    written from (they are not in the repository, so users cannot read them)."""
+    import re
+
+    # Built from pieces so that this file does not match itself.
+    unshipped = re.compile("|".join(["DESIGN" + r"\.md", "STYLE" + r"\.md", "[Ss]eed" + r"[ -]00\d",
+                                     "shared" + "/seeds"]))
+    suffixes = {".py", ".yaml", ".yml", ".md", ".toml", ".txt", ".cfg", ".ini"}
+    files = [ROOT / "README.md", ROOT / "pyproject.toml"]
+    for top in ("rlcli", "conf", "recipes", "docs", "tests"):
+        files += [p for p in (ROOT / top).rglob("*") if p.is_file() and p.suffix in suffixes
+                  and "results" not in p.relative_to(ROOT).parts and "__pycache__" not in p.parts]
+    hits = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}"
+            for p in files if p.exists()
+            for i, line in enumerate(p.read_text(encoding="utf-8", errors="replace").splitlines(), 1)
+            if unshipped.search(line)]
+    assert not hits, "citations of documents the repository does not ship:\n" + "\n".join(hits)

@@ -1,7 +1,7 @@
 """Golden tests for rlcli.algos.functional: every number below is computed by hand in a comment.
 
 Run: pytest -q tests/test_functional.py (CPU, < 5 s). The numbers are exact consequences of the
-formulas in DESIGN.md §5; if one fails, the code changed the math — fix the code, not the number.
+formulas in docs/algorithms.md; if one fails, the code changed the math — fix the code, not the number.
 """
 
 from __future__ import annotations

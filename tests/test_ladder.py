@@ -1,7 +1,8 @@
-"""Paper ladders: every rung changes exactly its declared keys relative to its base (STYLE.md habit 6)
-at any model scale and composes into a valid config; `algo=dapo` is the top DAPO rung minus overlong
-filtering and `algo=vapo` is the full VAPO rung (DESIGN.md §7); `rlcli ladder` builds the right
-multirun and collects runs into exact tables and a figure; `rlcli plot` draws arbitrary runs."""
+"""Paper ladders: every rung changes exactly its declared keys relative to its base (the rung rules
+of docs/ladders.md) at any model scale and composes into a valid config; `algo=dapo` is the top
+DAPO rung minus overlong filtering and `algo=vapo` is the full VAPO rung (docs/ladders.md);
+`rlcli ladder` builds the right multirun and collects runs into exact tables and a figure;
+`rlcli plot` draws arbitrary runs."""
 
 import csv
 import functools
@@ -138,7 +139,7 @@ def test_dapo_ladder_is_the_papers_table():
 
 @pytest.mark.skipif(not (CONF / "algo" / "dapo.yaml").exists(), reason="conf/algo/dapo.yaml not written yet")
 def test_algo_dapo_is_the_top_rung_without_overlong_filtering():
-    """DESIGN.md §7: the paper's best DAPO run did not use overlong filtering."""
+    """docs/ladders.md, the DAPO ladder: the paper's best DAPO run did not use overlong filtering."""
     top = make([f"recipe={rungs('dapo', recipes_dir=RECIPES)[-1]}"])
     dapo = make(["algo=dapo", "reward=dapo"])
     a, b = (OmegaConf.to_container(c.algo, resolve=True) for c in (top, dapo))

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 from conftest import CONF
-from metric_names import undocumented
 from hydra import compose, initialize_config_dir
+from metric_names import undocumented
 
 from rlcli.config import register_configs, validate
 from rlcli.trainer import Trainer

@@ -1,5 +1,5 @@
 """Rollout invariants: the distribution the loss trains is the one that sampled (left padding,
-position ids, EOS masking included), and masks/truncation follow DESIGN.md §4."""
+position ids, EOS masking included), and masks/truncation follow docs/design.md#masks."""
 
 import torch
 

@@ -175,8 +175,10 @@ def one_update(tmp_path, name, nproc, extra=()):
     return torch.load(tmp_path / f"{name}.pt")
 
 
-@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_sum_const"])
-def test_two_processes_and_micro_batches_give_the_same_step(tmp_path, agg):
+@pytest.mark.parametrize("agg,algo", [("token_mean", "grpo"), ("seq_mean_token_mean", "grpo"),
+                                      ("seq_mean_token_sum", "grpo"), ("seq_sum_const", "grpo"),
+                                      ("token_mean", "reinforce_pp")])
+def test_two_processes_and_micro_batches_give_the_same_step(tmp_path, agg, algo):
     """Same batch: 1 process with one micro-batch, 1 process with micro-batches of 3, and 2 processes
     must give the same step-1 loss and the same gradient (all-reduced, accumulated, before clipping), and
     log the same batch statistics (reward, accuracy, lengths, advantages: reduced over ranks, not rank 0's).
@@ -185,10 +187,11 @@ def test_two_processes_and_micro_batches_give_the_same_step(tmp_path, agg):
     near-zero gradient entries into differences of order lr·1e-2. Tolerances: 1e-5 relative on
     metrics, and on gradients 1e-5 of each tensor's largest entry, cover float32 summation
     order (gloo all-reduce, accumulation over backward calls); a per-micro-batch or per-rank
-    normalizer would be off by a factor of 2 or more. With the sequence-level modes the step-1 GRPO
+    normalizer would be off by a factor of 2 or more. REINFORCE++ whitens its returns over the batch: with
+    per-rank statistics its advantages (and adv/mean, adv/std) would differ. With the sequence-level modes the step-1 GRPO
     loss is a sum of group-centred advantages, zero up to rounding, hence the absolute 1e-7.
     """
-    extra = [f"algo.loss_agg={agg}"]
+    extra = [f"algo={algo}", f"algo.loss_agg={agg}"]
     base = one_update(tmp_path, "one", 1, extra)
     micro = one_update(tmp_path, "micro", 1, [*extra, "hw.micro_batch=3"])
     dist = one_update(tmp_path, "two", 2, extra)
@@ -198,7 +201,9 @@ def test_two_processes_and_micro_batches_give_the_same_step(tmp_path, agg):
     for other in (micro, dist):
         for k in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "reward/mean", "reward/std",
                   "reward/sevens", "acc/mean", "acc/pool_mean", "response_length/mean", "response_length/max",
-                  "response_length/clip_ratio", "adv/mean", "adv/std"):
+                  "response_length/clip_ratio", "adv/mean", "adv/std", "actor/reward_kl", "actor/kl_coef"):
+            if k in ("actor/kl_loss", "actor/reward_kl", "actor/kl_coef") and k not in base["metrics"]:
+                continue  # the KL sits in the loss (grpo) or in the reward (reinforce_pp)
             assert other["metrics"][k] == pytest.approx(base["metrics"][k], rel=1e-5, abs=1e-7), k
         assert other["grads"].keys() == base["grads"].keys() and len(base["grads"]) > 10
         for n, g in base["grads"].items():

@@ -1,5 +1,6 @@
 """The critic (rlcli/models/value.py): init from the policy, values at response positions, save/load,
-the loss for each head, two-hot projection and the seed-001 augmentation.
+the loss for each head, two-hot projection and the value augmentation (rlcli options,
+docs/algorithms.md#rlcli-options).
 
 Run: pytest -q tests/test_value.py (CPU, a few seconds). A 2-layer, 64-wide tiny Llama at random init
 stands in for the policy; hand-computed numbers are derived in the comments.

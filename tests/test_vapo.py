@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 from conftest import CONF
-from metric_names import undocumented
 from hydra import compose, initialize_config_dir
+from metric_names import undocumented
 
 from rlcli.algos.advantages import AdvantageInputs, compute_advantages
 from rlcli.algos.config import AlgoConfig
@@ -167,3 +167,19 @@ def test_explained_variance_of_constant_returns_is_zero_not_one():
     # and the ordinary case: V = ret exactly explains everything
     ret = torch.tensor([[1.0, 2.0, 3.0], [0.0, -1.0, 5.0]])
     assert explained_variance(ret, ret, mask).item() == pytest.approx(1.0)
+
+
+@pytest.mark.slow
+def test_critic_schedule_spans_pretraining_and_every_epoch(tmp_path, monkeypatch):
+    """The critic steps once per mini-batch and epoch, in pretraining too: with 2 epochs, 1 mini-batch,
+    3 steps and 2 pretraining steps that is 3·2 + 2·2 = 10 optimizer steps. A cosine schedule sized for
+    fewer (the old 3·2 + 2·1 = 8) would reach lr 0 two steps early."""
+    t = make(tmp_path, monkeypatch, "algo=vapo", "steps=3", "algo.ppo_epochs=2", "critic.pretrain_steps=2",
+             "optim.scheduler=cosine", "rollout.prompts_per_step=2", "rollout.n=2",
+             "+reward.weights.sevens=1.0", "+reward.custom.sevens=reward_fixtures.count_sevens")
+    try:
+        lam = t.critic.scheduler.lr_lambdas[0]
+        assert lam(9) > 0 and lam(10) == pytest.approx(0.0, abs=1e-12)
+        assert t.actor.scheduler.lr_lambdas[0](5) > 0 and t.actor.scheduler.lr_lambdas[0](6) == pytest.approx(0.0)
+    finally:
+        t.rewards.close()

@@ -1,6 +1,6 @@
 """The algorithm library: pure tensor math (`functional`) wired into name registries.
 
-Registries (one signature per kind, DESIGN.md §3): ADVANTAGES (advantages.py), POLICY_LOSSES
+Registries (one signature per kind, docs/design.md#registries): ADVANTAGES (advantages.py), POLICY_LOSSES
 (losses.py), KL_ESTIMATORS (functional.py, re-exported by kl.py); loss aggregations are the
 AGG_MODES names of `functional.aggregate`. The `algo` config schema is `AlgoConfig` (config.py).
 """

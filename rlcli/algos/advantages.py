@@ -1,4 +1,4 @@
-"""Advantage estimators (DESIGN.md §5.2): registry `ADVANTAGES`, one signature for all.
+"""Advantage estimators: registry `ADVANTAGES`, one signature for all (docs/algorithms.md).
 
     fn(inp: AdvantageInputs, cfg) -> (advantages [N, T], returns [N, T])
 
@@ -19,6 +19,7 @@ as in OpenRLHF's RLOO. The outcome-level a_i itself never sees the KL.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +37,9 @@ class AdvantageInputs:
     token_rewards: Tensor
     """[N, T] `scores` on the last valid token, minus β·KL_t on every token when KL is in the reward."""
     mask: Tensor
-    """[N, T] loss mask (response mask minus overlong-filtered rows), bool or 0/1 float."""
+    """[N, T] loss mask (response mask minus overlong-filtered rows), bool or 0/1 float: rewards sit on
+    its last valid token, and whitening statistics are taken over it (tokens that get no loss do not
+    shift the advantages of those that do)."""
     group_index: Tensor
     """[N] int, equal for responses to the same prompt."""
     lengths: Tensor
@@ -47,6 +50,8 @@ class AdvantageInputs:
     """Current training step (schedules such as the VAPO-GRPO hybrid α(t))."""
     total_steps: int = 1
     """Planned training steps."""
+    reduce: Callable[[Tensor], Tensor] | None = None
+    """Sum over data-parallel ranks (whitening statistics over the whole batch); None in one process."""
 
 
 ADVANTAGES = Registry("advantage estimator")
@@ -63,7 +68,8 @@ def compute_advantages(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
 
     Shapes: -> (advantages [N, T], returns [N, T]). With `cfg.seq_reweight_alpha` set, each row of
     the advantages is scaled by w_i = (l_i/L_median)^(-α): for the clipped surrogate, scaling A by
-    w > 0 scales the token loss by w, so this is seed 001's sequence-level loss reweighting, done
+    w > 0 scales the token loss by w, so this is a sequence-level loss reweighting (an rlcli option,
+    not from a paper; docs/algorithms.md#rlcli-options), done
     once over the whole batch (a per-micro-batch median would depend on memory settings).
     """
     estimator = ADVANTAGES[cfg.adv_estimator]
@@ -107,8 +113,8 @@ def _require_values(inp: AdvantageInputs, name: str) -> Tensor:
     return inp.values
 
 
-def _whiten(x: Tensor, mask: Tensor, cfg: Any) -> Tensor:
-    return F.masked_whiten(x, mask) if cfg.whiten_advantages else x
+def _whiten(x: Tensor, inp: AdvantageInputs, cfg: Any) -> Tensor:
+    return F.masked_whiten(x, inp.mask, reduce=inp.reduce) if cfg.whiten_advantages else x
 
 
 def _same(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -145,14 +151,14 @@ def rloo(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
 def reinforce_pp(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
     """REINFORCE++ (arXiv:2501.03262): reward-to-go of the token rewards, whitened over the batch."""
     returns = F.discounted_returns(inp.token_rewards, inp.mask, cfg.gamma)
-    return _same(_whiten(returns, inp.mask, cfg))
+    return _same(_whiten(returns, inp, cfg))
 
 
 @ADVANTAGES.register("reinforce_pp_baseline")
 def reinforce_pp_baseline(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
     """REINFORCE++-baseline (arXiv:2501.03262): whiten(R_i - mean_g) over the batch (plus KL-to-go)."""
     a = F.group_advantages(inp.scores, inp.group_index, std_normalize=False)
-    return _same(_whiten(_outcome_to_tokens(inp, a, cfg.gamma), inp.mask, cfg))
+    return _same(_whiten(_outcome_to_tokens(inp, a, cfg.gamma), inp, cfg))
 
 
 def _gae_parts(inp: AdvantageInputs, cfg: Any, name: str) -> tuple[Tensor, Tensor]:
@@ -164,7 +170,7 @@ def _gae_parts(inp: AdvantageInputs, cfg: Any, name: str) -> tuple[Tensor, Tenso
     adv, returns = F.gae(inp.token_rewards, values, inp.mask, cfg.gamma, cfg.lam_critic)
     if cfg.length_adaptive_gae or cfg.lam_actor != cfg.lam_critic:
         adv, _ = F.gae(inp.token_rewards, values, inp.mask, cfg.gamma, lam_actor)
-    return _whiten(adv, inp.mask, cfg), returns  # returns are taken before whitening
+    return _whiten(adv, inp, cfg), returns  # returns are taken before whitening
 
 
 @ADVANTAGES.register("gae")
@@ -175,14 +181,17 @@ def gae(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
 
 @ADVANTAGES.register("rank")
 def rank(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
-    """Seed 001 option: (rank_i - (G+1)/2)/(G/2) within the group, ties averaged."""
+    """rlcli option (not from a paper): (rank_i - (G+1)/2)/(G/2) within the group, ties averaged."""
     a = F.rank_advantages(inp.scores, inp.group_index)
     return _same(_outcome_to_tokens(inp, a, cfg.gamma))
 
 
 @ADVANTAGES.register("weighted_baseline")
 def weighted_baseline(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
-    """Seed 001 option: R_i - Σ w_j R_j / Σ w_j, w_j = 1/sqrt(|y_j|) (cfg.baseline_weights)."""
+    """rlcli option (not from a paper): R_i - Σ w_j R_j / Σ w_j, w_j = 1/sqrt(|y_j|).
+
+    Weights chosen by cfg.baseline_weights (inv_sqrt_len | uniform).
+    """
     lengths = inp.lengths.to(F._float(inp.scores).dtype)  # [N]
     if cfg.baseline_weights == "inv_sqrt_len":
         weights = lengths.clamp_min(1.0).rsqrt()
@@ -198,14 +207,17 @@ def weighted_baseline(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
 
 @ADVANTAGES.register("hierarchical")
 def hierarchical(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
-    """Seed 001 option: α·A_group + (1-α)·A_batch, α = cfg.hierarchical_alpha."""
+    """rlcli option (not from a paper): α·A_group + (1-α)·A_batch, α = cfg.hierarchical_alpha."""
     a = F.hierarchical_advantages(inp.scores, inp.group_index, cfg.hierarchical_alpha)
     return _same(_outcome_to_tokens(inp, a, cfg.gamma))
 
 
 @ADVANTAGES.register("vapo_grpo_hybrid")
 def vapo_grpo_hybrid(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
-    """Seed 001 option: α(t)·A_gae + (1-α(t))·A_grpo, α(t) = α_0·exp(-κ t/T); returns from GAE."""
+    """rlcli option (not from a paper): α(t)·A_gae + (1-α(t))·A_grpo, α(t) = α_0·exp(-κ t/T).
+
+    Returns come from GAE.
+    """
     adv_gae, returns = _gae_parts(inp, cfg, "vapo_grpo_hybrid")
     adv_grpo, _ = grpo(inp, cfg)
     alpha = F.hybrid_alpha(inp.step, inp.total_steps, cfg.hybrid_alpha0, cfg.hybrid_kappa)

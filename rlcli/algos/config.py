@@ -6,8 +6,8 @@ Defaults here are plain PPO/GRPO defaults; the presets in conf/algo/*.yaml set t
 Papers cited by arXiv id: PPO 1707.06347, GAE 1506.02438, GRPO (DeepSeekMath) 2402.03300,
 DAPO 2503.14476, Dr.GRPO 2503.20783, VAPO 2504.05118, RLOO 2402.14740, REINFORCE++ 2501.03262,
 adaptive KL (Ziegler et al.) 1909.08593, dual clip (Ye et al.) 1912.09729, GSPO 2507.18071, CISPO
-(MiniMax-M1) 2506.13585. "Seed 001" options are the extra variants of shared/seeds/001 (DESIGN.md
-§9): off by default.
+(MiniMax-M1) 2506.13585. Fields marked "rlcli option" are variants that come from no paper: off by
+default, documented in docs/algorithms.md#rlcli-options.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class AlgoConfig:
     name: str = "grpo"
     """Preset name, for logs and run names (set by conf/algo/<name>.yaml)."""
 
-    # --- advantage estimation (DESIGN.md §5.2) -------------------------------------------------
+    # --- advantage estimation (docs/algorithms.md, "Advantage estimators") ---------------------
     adv_estimator: str = "grpo"
     """ADVANTAGES registry name: grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline | gae |
     rank | weighted_baseline | hierarchical | vapo_grpo_hybrid."""
@@ -44,7 +44,7 @@ class AlgoConfig:
     """Whiten advantages over the batch's valid tokens (gae, vapo_grpo_hybrid's GAE part, reinforce_pp,
     reinforce_pp_baseline); group estimators normalise per group and ignore it."""
 
-    # --- policy loss and aggregation (DESIGN.md §5.3) ------------------------------------------
+    # --- policy loss and aggregation (docs/algorithms.md, "Policy loss") -----------------------
     policy_loss: str = "clipped"
     """POLICY_LOSSES registry name: clipped (PPO/GRPO/DAPO token-ratio surrogate) | gspo (GSPO,
     sequence-level ratio) | cispo (CISPO, clipped stop-gradient IS weight on logp)."""
@@ -56,12 +56,14 @@ class AlgoConfig:
     dual_clip: float | None = None
     """Dual-clip constant c > 1 bounding the loss of A < 0 tokens at -A·c (Ye et al. 2020; DAPO script: 10)."""
     ratio_clamp: float | None = None
-    """Seed 001 option: hard-clamp the ratio to [1/C, C] before the surrogate (C = 10); null = off."""
+    """rlcli option (not from a paper): hard-clamp the ratio to [1/C, C] before the surrogate (C = 10);
+    null = off."""
     loss_agg: str = "seq_mean_token_mean"
     """Loss aggregation: token_mean (DAPO, VAPO) | seq_mean_token_mean (GRPO) | seq_mean_token_sum |
     seq_sum_const (Dr.GRPO). Normalizers span the whole optimizer mini-batch."""
     seq_reweight_alpha: float | None = None
-    """Seed 001 option: scale each sequence's advantages by (l_i/L_median)^(-α) (α in [0, 0.5]); null = off."""
+    """rlcli option (not from a paper): scale each sequence's advantages by (l_i/L_median)^(-α) (α in [0, 0.5]);
+    null = off."""
     ppo_epochs: int = 1
     """Passes over each rollout batch (GRPO's μ); 1 epoch with 1 mini-batch is exactly on-policy."""
     mini_batches: int = 1
@@ -85,7 +87,7 @@ class AlgoConfig:
     nll_coef: float = 0.0
     """μ: VAPO positive-example LM loss weight, NLL over responses with acc = 1 (paper: 0.1)."""
 
-    # --- reward shaping and sampling (DAPO, DESIGN.md §5.1) ------------------------------------
+    # --- reward shaping and sampling (DAPO, arXiv:2503.14476 §3.2, §3.4) -----------------------
     overlong_filter: bool = False
     """DAPO overlong filtering: truncated responses get no loss (mask 0) but keep their reward."""
     soft_overlong: bool = False
@@ -101,7 +103,7 @@ class AlgoConfig:
     train_on_partial: bool = False
     """Dynamic sampling: when max_gen_batches runs out, train on the groups kept so far instead of failing."""
 
-    # --- seed 001 estimator options ------------------------------------------------------------
+    # --- rlcli estimator options (not from a paper; docs/algorithms.md#rlcli-options) ----------
     hierarchical_alpha: float = 0.5
     """`hierarchical` estimator: weight α of the within-group advantage vs the whole-batch one."""
     hybrid_alpha0: float = 1.0
@@ -130,7 +132,7 @@ class AlgoConfig:
     """Lower bound: weights outside [lower, upper] are zeroed (masked IS, IcePop) instead of truncated;
     null = truncate only."""
 
-    # --- critic (DESIGN.md §5.4) ---------------------------------------------------------------
+    # --- critic (docs/algorithms.md#critic-and-other-terms) ------------------------------------
     value_clip: float | None = 0.5
     """ε_v: value-loss clip range around the old values; null = unclipped."""
 

@@ -1,9 +1,9 @@
-"""The math of rlcli as pure tensor functions (DESIGN.md §5): no model, no DeepSpeed, only torch.
+"""The math of rlcli as pure tensor functions (docs/algorithms.md): no model, no DeepSpeed, only torch.
 
-Letters as in DESIGN.md §4: N trajectories, T padded response length. Per-token tensors are [N, T],
-right-padded; `mask` is the response (loss) mask, any nonzero entry counts as a valid token (bool or
-float 0/1 both work). Every per-token output is exactly 0 at masked positions, whatever garbage
-(even NaN) the inputs hold there.
+Letters as in docs/design.md#units: N trajectories, T padded response length. Per-token tensors
+are [N, T], right-padded; `mask` is the response (loss) mask, any nonzero entry counts as a valid
+token (bool or float 0/1 both work). Every per-token output is exactly 0 at masked positions,
+whatever garbage (even NaN) the inputs hold there.
 
 Group-level functions take `group_index` [N]: any integers, not necessarily contiguous or sorted;
 responses to one prompt share a value. Groups may have any size, including 1.
@@ -18,6 +18,7 @@ Departures and choices the papers leave open are stated in each docstring and in
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -52,7 +53,7 @@ __all__ = [
 ]
 
 LOG_RATIO_CLAMP = 20.0
-"""|logp - old_logp| is clamped to this before exp (DESIGN.md §5.3): exp(20) ~ 5e8 stays finite."""
+"""|logp - old_logp| is clamped to this before exp: exp(20) ~ 5e8 stays finite (docs/design.md)."""
 GSPO_LOG_RATIO_MAX = 10.0
 """Upper clamp of GSPO's per-token log ratio log s_i,t (as verl): s ≤ exp(10) ~ 2.2e4."""
 K3_INPUT_CLAMP = 20.0
@@ -115,7 +116,7 @@ def _group_is_constant(scores: Tensor, inv: Tensor, n_groups: int) -> Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Outcome-level advantages (one number per trajectory) — DESIGN.md §5.2
+# Outcome-level advantages (one number per trajectory) — docs/algorithms.md, "Advantage estimators"
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -174,7 +175,7 @@ def rloo_advantages(scores: Tensor, group_index: Tensor) -> Tensor:
 
 
 def rank_advantages(scores: Tensor, group_index: Tensor) -> Tensor:
-    """Rank-based group advantage (seed 001 eq. 40; an option, not a paper default).
+    """Rank-based group advantage (rlcli option, not from a paper; off by default).
 
     Shapes: scores [N], group_index [N] -> [N].
     A_i = (rank_i - (G+1)/2) / (G/2), ranks 1..G ascending within the group, ties get the average
@@ -194,7 +195,7 @@ def rank_advantages(scores: Tensor, group_index: Tensor) -> Tensor:
 
 
 def weighted_baseline_advantages(scores: Tensor, group_index: Tensor, weights: Tensor) -> Tensor:
-    """Group advantage against a weighted baseline (seed 001 eq. 39/52; an option).
+    """Group advantage against a weighted baseline (rlcli option, not from a paper; off by default).
 
     Shapes: scores [N], group_index [N], weights [N] positive -> [N].
     A_i = R_i - Σ_{j in g} w_j R_j / Σ_{j in g} w_j.
@@ -214,7 +215,7 @@ def weighted_baseline_advantages(scores: Tensor, group_index: Tensor, weights: T
 
 
 def hierarchical_advantages(scores: Tensor, group_index: Tensor, alpha: float, eps: float = 1e-6) -> Tensor:
-    """Mix of within-group and whole-batch normalisation (seed 001 eq. 51; an option).
+    """Mix of within-group and whole-batch normalisation (rlcli option, not from a paper; off by default).
 
     Shapes: scores [N], group_index [N] -> [N].
     A_i = α · A_local + (1 - α) · A_global, with A_local the GRPO advantage within the group and
@@ -228,7 +229,7 @@ def hierarchical_advantages(scores: Tensor, group_index: Tensor, alpha: float, e
 
 
 def hybrid_alpha(step: int, total_steps: int, alpha0: float, kappa: float) -> float:
-    """Weight of the GAE advantage in the VAPO-GRPO hybrid (seed 001 eq. 58-59; an option).
+    """Weight of the GAE advantage in the VAPO-GRPO hybrid (rlcli option, not from a paper; off by default).
 
     α(t) = α0 · exp(-κ · t / T_total); `total_steps` below 1 is treated as 1.
     """
@@ -236,7 +237,9 @@ def hybrid_alpha(step: int, total_steps: int, alpha0: float, kappa: float) -> fl
 
 
 def sequence_reweight(lengths: Tensor, alpha: float) -> Tensor:
-    """Per-sequence loss weight w_i = (|o_i| / L_median)^(-α) (seed 001 eq. 30; an option).
+    """Per-sequence loss weight w_i = (|o_i| / L_median)^(-α) (rlcli option, not from a paper).
+
+    Off by default (algo.seq_reweight_alpha = null).
 
     Shapes: lengths [N] -> [N] float. L_median is the batch median (the mean of the two middle
     values for even N); lengths are floored at 1 so empty responses get a finite weight.
@@ -254,19 +257,23 @@ def sequence_reweight(lengths: Tensor, alpha: float) -> Tensor:
 # ---------------------------------------------------------------------------------------------------
 
 
-def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
-    """Whiten `x` with statistics over the valid entries of `mask` (DESIGN.md §5.2).
+def masked_whiten(
+    x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8, reduce: Callable[[Tensor], Tensor] | None = None
+) -> Tensor:
+    """Whiten `x` with statistics over the valid entries of `mask` (the loss mask in the trainer).
 
     Shapes: x, mask any equal shape (typically [N, T]) -> same shape.
     (x - mean) / sqrt(var + eps) with the mean and the UNBIASED variance (n-1) over valid entries;
     shift_mean=False adds the mean back (rescale only). Masked-out positions are returned as 0.
-    With a single valid entry the variance is taken as 0 (n-1 is floored at 1).
+    With a single valid entry the variance is taken as 0 (n-1 is floored at 1). `reduce` sums a tensor
+    over data-parallel ranks, so that the statistics are those of the whole batch on every rank.
     """
     m = _valid(mask)
     zero = torch.zeros_like(x)
-    n = m.sum().to(x.dtype)
-    mean = torch.where(m, x, zero).sum() / _nonzero_den(n)
-    var = torch.where(m, (x - mean) ** 2, zero).sum() / (n - 1).clamp_min(1)
+    reduce = reduce or (lambda t: t)
+    n, total = reduce(torch.stack([m.sum().to(x.dtype), torch.where(m, x, zero).sum()]))
+    mean = total / _nonzero_den(n)
+    var = reduce(torch.where(m, (x - mean) ** 2, zero).sum()) / (n - 1).clamp_min(1)
     out = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean
@@ -397,8 +404,9 @@ def _k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
 
 
 def kl_estimate(logp: Tensor, ref_logp: Tensor, kind: str) -> Tensor:
-    """Per-token KL estimate (DESIGN.md §5.3). Shapes: logp, ref_logp [N, T] -> [N, T].
+    """Per-token KL estimate. Shapes: logp, ref_logp [N, T] -> [N, T].
 
+    Estimators from Schulman 2020, "Approximating KL divergence", http://joschu.net/blog/kl-approx.html:
     k1 = logp - ref (unbiased, can be negative); k2 = ½ (logp - ref)²;
     k3 = exp(ref - logp) - (ref - logp) - 1 (unbiased, ≥ 0), with ref - logp clamped to ±20 and the
     result clamped to ±10. Not masked: multiply or aggregate with the mask yourself.
@@ -411,7 +419,7 @@ def kl_estimate(logp: Tensor, ref_logp: Tensor, kind: str) -> Tensor:
 def entropy_from_logits(logits: Tensor) -> Tensor:
     """Entropy of softmax(logits) over the last dim. Shapes: [..., V] -> [...].
 
-    H = logsumexp(z) - Σ softmax(z) · z. Pass temperature-scaled logits (DESIGN.md §5).
+    H = logsumexp(z) - Σ softmax(z) · z. Pass temperature-scaled logits (docs/design.md#conventions).
     """
     probs = torch.softmax(logits, dim=-1)
     return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
@@ -440,8 +448,8 @@ def clipped_policy_loss(
                                                                        clip-higher, arXiv:2503.14476)
         dual clip (Ye et al. 2020, arXiv:1912.09729), c = dual_clip > 1, only where A < 0:
         ℓ = min(ℓ, -A·c)
-    ratio_clamp = C (seed 001 option, off by default) first hard-clamps ρ to [1/C, C]; note that
-    tokens outside that band get no gradient at all.
+    ratio_clamp = C (rlcli option, not from a paper; off by default) first hard-clamps ρ to
+    [1/C, C]; note that tokens outside that band get no gradient at all.
     loss_mat is 0 at masked positions; reduce it with `aggregate`.
 
     metrics (detached 0-dim tensors, masked token means):
@@ -458,35 +466,35 @@ def clipped_policy_loss(
     ratio = torch.exp(log_ratio)
     if ratio_clamp is not None:
         ratio = ratio.clamp(1.0 / ratio_clamp, ratio_clamp)
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    loss = torch.maximum(unclipped, clipped)
-    clip_active = clipped > unclipped
+    loss, metrics = _surrogate(ratio, advantages, clip_low, clip_high, logp, old_logp, m)
     dual_active = torch.zeros_like(m)
     if dual_clip is not None:
         bound = -advantages * dual_clip
         dual_active = (advantages < 0) & (bound < loss)
         loss = torch.where(dual_active, bound, loss)
-    loss = torch.where(m, loss, zero)
+    metrics["pg_clipfrac_lower"] = masked_mean(dual_active.to(logp.dtype), m).detach()
+    return torch.where(m, loss, zero), metrics
 
+
+def _surrogate(
+    ratio: Tensor, advantages: Tensor, clip_low: float, clip_high: float, logp: Tensor, old_logp: Tensor, m: Tensor
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The clipped surrogate max(-A·ρ, -A·clip(ρ, 1 - clip_low, 1 + clip_high)) [N, T] (not masked) and
+    its metrics over the valid tokens `m`: pg_clipfrac, pg_clipfrac_high, pg_clipfrac_low, ppo_kl."""
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     with torch.no_grad():
         metrics = {
-            "pg_clipfrac": masked_mean(clip_active.to(logp.dtype), m),
+            "pg_clipfrac": masked_mean((clipped > unclipped).to(logp.dtype), m),
             "pg_clipfrac_high": masked_mean(((ratio > 1.0 + clip_high) & (advantages > 0)).to(logp.dtype), m),
             "pg_clipfrac_low": masked_mean(((ratio < 1.0 - clip_low) & (advantages < 0)).to(logp.dtype), m),
-            "pg_clipfrac_lower": masked_mean(dual_active.to(logp.dtype), m),
             "ppo_kl": masked_mean(old_logp - logp, m),
         }
-    return loss, metrics
+    return torch.maximum(unclipped, clipped), metrics
 
 
 def gspo_policy_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    clip_low: float = 3e-4,
-    clip_high: float = 4e-4,
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, clip_low: float = 3e-4, clip_high: float = 4e-4
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO clipped surrogate with the sequence-level ratio (Zheng et al. 2025, arXiv:2507.18071).
 
@@ -517,28 +525,12 @@ def gspo_policy_loss(
     n_tok = m.sum(-1, keepdim=True).clamp_min(1).to(logp.dtype)  # [N, 1]
     log_s = token_log_ratio.sum(-1, keepdim=True) / n_tok  # [N, 1]
     log_ratio = (log_s.detach() + logp_v - logp_v.detach()).clamp(max=GSPO_LOG_RATIO_MAX)  # [N, T]
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    loss = torch.where(m, torch.maximum(unclipped, clipped), zero)
-
-    with torch.no_grad():
-        metrics = {
-            "pg_clipfrac": masked_mean((clipped > unclipped).to(logp.dtype), m),
-            "pg_clipfrac_high": masked_mean(((ratio > 1.0 + clip_high) & (advantages > 0)).to(logp.dtype), m),
-            "pg_clipfrac_low": masked_mean(((ratio < 1.0 - clip_low) & (advantages < 0)).to(logp.dtype), m),
-            "ppo_kl": masked_mean(old_logp - logp, m),
-        }
-    return loss, metrics
+    loss, metrics = _surrogate(torch.exp(log_ratio), advantages, clip_low, clip_high, logp, old_logp, m)
+    return torch.where(m, loss, zero), metrics
 
 
 def cispo_policy_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    clip_low: float = 1.0,
-    clip_high: float = 0.28,
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, clip_low: float = 1.0, clip_high: float = 0.28
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """CISPO: REINFORCE weighted by a clipped, stop-gradient IS weight (MiniMax-M1, arXiv:2506.13585 §3.1).
 
@@ -633,7 +625,7 @@ def rollout_correction_weights(
 
 
 AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_sum_const")
-"""Loss aggregation modes (DESIGN.md §5.3), see `aggregate`."""
+"""Loss aggregation modes (docs/algorithms.md, "Policy loss and aggregation"), see `aggregate`."""
 
 
 def aggregation_counts(mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -657,7 +649,7 @@ def aggregate(
     num_seqs: Tensor | float | None = None,
     max_len: int | None = None,
 ) -> Tensor:
-    """Reduce a per-token loss [N, T] to a scalar (DESIGN.md §5.3).
+    """Reduce a per-token loss [N, T] to a scalar (docs/algorithms.md, "Policy loss and aggregation").
 
     With ℓ the loss and m the mask, sums over the rows of THIS (micro-)batch, and normalizers that
     the caller takes over the whole optimizer mini-batch (see `aggregation_counts`):
@@ -707,7 +699,7 @@ def value_loss(
     clip_range: float | None = 0.5,
     num_tokens: Tensor | float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Clipped value loss, token_mean over the mask (DESIGN.md §5.4).
+    """Clipped value loss, token_mean over the mask (docs/algorithms.md#critic-and-other-terms).
 
     Shapes: values, old_values, returns, mask [N, T] -> (0-dim loss, metrics).
         ℓ = ½ · max((V - ret)², (clip(V, V_old - ε, V_old + ε) - ret)²),  ε = clip_range

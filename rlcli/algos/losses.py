@@ -1,4 +1,4 @@
-"""Policy losses (DESIGN.md §5.3): registry `POLICY_LOSSES`, one signature for all.
+"""Policy losses: registry `POLICY_LOSSES`, one signature for all (docs/algorithms.md, "Policy loss").
 
     fn(logp, old_logp, advantages, mask, cfg) -> (loss_mat [N, T], metrics)
 
@@ -8,7 +8,7 @@ config.py imports this module, so importing AlgoConfig here would make an import
 `loss_mat` is the per-token loss, 0 at masked positions; the trainer reduces it with
 `aggregate(loss_mat, mask, cfg.loss_agg, num_tokens=..., num_seqs=..., max_len=...)`, the counts
 summed over the whole optimizer mini-batch (`aggregation_counts`). `metrics` are detached 0-dim
-tensors named as in DESIGN.md §8 (without the `actor/` prefix).
+tensors named as in docs/metrics.md (without the `actor/` prefix).
 """
 
 from __future__ import annotations
@@ -44,21 +44,17 @@ def clipped(
     )
 
 
-@POLICY_LOSSES.register("gspo")
-def gspo(
-    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, cfg: Any
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """GSPO (arXiv:2507.18071): the clipped surrogate on the length-normalised sequence ratio s_i."""
-    return F.gspo_policy_loss(
-        logp, old_logp, advantages, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high
-    )
+def _clip_bounded(fn: Any) -> Any:
+    """The registry entry of a loss whose only knobs are its clip bounds (algo.clip_low / clip_high)."""
+
+    def loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, cfg: Any) -> tuple[Tensor, dict]:
+        return fn(logp, old_logp, advantages, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high)
+
+    loss.__doc__ = fn.__doc__
+    return loss
 
 
-@POLICY_LOSSES.register("cispo")
-def cispo(
-    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, cfg: Any
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """CISPO (arXiv:2506.13585): -sg(clip(ρ))·A·logp, every token keeps its gradient."""
-    return F.cispo_policy_loss(
-        logp, old_logp, advantages, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high
-    )
+# GSPO (arXiv:2507.18071): the clipped surrogate on the length-normalised sequence ratio s_i.
+POLICY_LOSSES.register("gspo")(_clip_bounded(F.gspo_policy_loss))
+# CISPO (arXiv:2506.13585): -sg(clip(ρ))·A·logp, every token keeps its gradient.
+POLICY_LOSSES.register("cispo")(_clip_bounded(F.cispo_policy_loss))

@@ -10,8 +10,8 @@ The prompt ends at `A:`; the target response (`solution`) is everything after it
 column from the right, the shorter operand padded with 0, the carry (`+1`) or borrow (`-1`) from
 the previous column written only when it is 1, and a borrowing column written with its
 borrowed ten (`14-8=6`). Why worked steps: on direct answers the tiny model stays under 12% after
-150 s of supervised training, with steps it passes 75% (DESIGN.md §2); and the response length then
-grows with the number of digits, which the DAPO/VAPO length techniques need.
+150 s of supervised training, with steps it passes 75% (docs/design.md#tiny-model); and the response
+length then grows with the number of digits, which the DAPO/VAPO length techniques need.
 
 `difficulty` is the number of digits of the longer operand. Splits are disjoint by construction: a
 problem belongs to `eval` iff a hash of its text falls in the eval bucket (10%), so no eval problem

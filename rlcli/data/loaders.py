@@ -5,7 +5,7 @@ Formats, chosen by the path: `.jsonl` (JSON lines), `.json` (JSON lines or one a
 package). `pkg://rlcli/data/samples/gsm8k.jsonl` names a file shipped inside a Python package
 (the presets' tiny samples). Nothing is ever downloaded.
 
-The pipeline for one split (DESIGN.md: drop and count, never cut or guess):
+The pipeline for one split (drop and count, never cut or guess; docs/data.md, "Bad rows"):
   read rows -> adapter (bad rows skipped and counted by reason, the first few by row number)
   -> held-out split (when data.eval_path is null) -> optional dedupe
   -> template + chat template -> token-length filter (dropped and counted)

@@ -1,9 +1,10 @@
 """DeepSpeed, in exactly one module: process group, engine construction, optimizer steps, saving.
 
-The policy (and the critic) are DeepSpeed engines on CPU and GPU alike (DESIGN.md §2-§3). The loop
+The policy (and the critic) are DeepSpeed engines on CPU and GPU alike (docs/design.md#engine). The loop
 owns gradient accumulation: it marks the accumulation boundary itself and scales each micro-batch
 loss by the world size, so a loss normalised by counts reduced over the whole mini-batch gives the
-same gradient however the mini-batch is split into micro-batches and ranks (DESIGN.md §5.3).
+same gradient however the mini-batch is split into micro-batches and ranks (docs/algorithms.md,
+"Normalizers are global").
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
     """A folder whose tokenizer_config names PreTrainedTokenizerFast (our tiny tokenizer) is loaded
-    with that class directly: AutoTokenizer may substitute a model-family tokenizer (DESIGN.md §2)."""
+    with that class directly: AutoTokenizer may substitute a model-family tokenizer
+    (docs/design.md#environment)."""
     import json
 
     from transformers import AutoTokenizer, PreTrainedTokenizerFast

@@ -2,7 +2,7 @@
 
 It needs no download, so `model=tiny` runs every algorithm offline on a laptop CPU. The tokenizer
 lives in `rlcli/models/tokenizer/` (rebuild it with `python -m rlcli.models.tiny`); load it with
-:func:`load_tiny_tokenizer`, never `AutoTokenizer` (DESIGN.md §2: for some architectures
+:func:`load_tiny_tokenizer`, never `AutoTokenizer` (docs/design.md#environment: for some architectures
 AutoTokenizer swaps in its own class and spaces vanish from a char vocab).
 
 The tokenizer adds no special tokens on its own: callers append `</s>` to targets explicitly, and
@@ -28,7 +28,7 @@ MODEL_MAX_LENGTH = 512
 
 @dataclass
 class TinyModelConfig:
-    """Shape of the embedded Llama (defaults give 4.2M parameters, DESIGN.md §2)."""
+    """Shape of the embedded Llama (defaults give 4.2M parameters, docs/design.md#tiny-model)."""
 
     hidden_size: int = 256
     """Width of the residual stream."""

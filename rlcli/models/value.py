@@ -1,4 +1,6 @@
-"""The critic (value model) of PPO and VAPO (DESIGN.md §5.4): config, model, forward, loss.
+"""The critic (value model) of PPO and VAPO: config, model, forward, loss.
+
+The math: docs/algorithms.md#critic-and-other-terms; the head options: docs/algorithms.md#rlcli-options.
 
 A value model is the policy's transformer backbone WITHOUT its LM head plus a linear value head.
 The value of the state before response token t is read from the hidden state at position
@@ -6,26 +8,27 @@ tp-1+t, exactly where `rlcli.models.response_logprobs` reads the logits that pre
 
 Three heads (`critic.head`):
   scalar          one output; the paper's critic.
-  multi           K outputs, V = mean of the K heads, each head trained on the same target with
-                  its own clipped loss. Seed 001 (eq. 21) writes V = Σ_h w_h(s)·V^(h) with learned,
-                  state-dependent gates and heads "specialising" in length, complexity or domain;
-                  that needs a gating network and per-head targets the seed never defines, so we
-                  implement the uniform-weight ensemble. Unlike the scalar head, the K rows are NOT
-                  zero-initialised: identical heads get identical gradients forever (same target,
-                  same features), so a zero-initialised multi-head critic would be a scalar critic
-                  at K times the cost. Rows are drawn N(0, (0.1/√H)²) from a fixed generator and
-                  centred across heads, so heads differ while the initial V is 0 up to float
-                  rounding (~1e-9).
-  distributional  a categorical over `num_bins` fixed atoms linspace(v_min, v_max) (seed 001
-                  eq. 22, C51-style support); V = expectation. Loss = cross-entropy to the two-hot
-                  projection of the clamped return. The clipped value loss does not apply (there
-                  is no V_old-centred trust region for a categorical), so `vf_clipfrac` is 0. Zero
-                  initialisation is safe here (the softmax gradient p - target differs per bin)
-                  and starts from the uniform distribution, i.e. V = (v_min + v_max)/2: "small"
-                  in the strongest sense.
+  multi           (rlcli option, not from a paper) K outputs, V = mean of the K heads, each head
+                  trained on the same target with its own clipped loss. A gated mixture
+                  V = Σ_h w_h(s)·V^(h) with learned, state-dependent weights and heads specialising
+                  in length, complexity or domain would need a gating network and per-head targets
+                  that have no agreed definition, so we implement the uniform-weight ensemble.
+                  Unlike the scalar head, the K rows are NOT zero-initialised: identical heads get
+                  identical gradients forever (same target, same features), so a zero-initialised
+                  multi-head critic would be a scalar critic at K times the cost. Rows are drawn
+                  N(0, (0.1/√H)²) from a fixed generator and centred across heads, so heads differ
+                  while the initial V is 0 up to float rounding (~1e-9).
+  distributional  (rlcli option) a categorical over `num_bins` fixed atoms linspace(v_min, v_max)
+                  (C51-style support, Bellemare et al. 2017, arXiv:1707.06887); V = expectation.
+                  Loss = cross-entropy to the two-hot projection of the clamped return. The clipped
+                  value loss does not apply (there is no V_old-centred trust region for a
+                  categorical), so `vf_clipfrac` is 0. Zero initialisation is safe here (the
+                  softmax gradient p - target differs per bin) and starts from the uniform
+                  distribution, i.e. V = (v_min + v_max)/2: "small" in the strongest sense.
 
-Letters as in DESIGN.md §4: n rows of a micro-batch, Tp padded prompt length (left-padded), T padded
-response length (right-padded), L = Tp + T, H hidden size, K head outputs (1 | num_heads | num_bins).
+Letters as in docs/design.md#units: n rows of a micro-batch, Tp padded prompt length (left-padded),
+T padded response length (right-padded), L = Tp + T, H hidden size, K head outputs
+(1 | num_heads | num_bins).
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ MULTI_HEAD_INIT_STD = 0.1
 
 @dataclass
 class CriticConfig:
-    """The value model (DESIGN.md §5.4): where it starts, its head, its optimiser, VAPO pretraining."""
+    """The value model: where it starts, its head, its optimiser, VAPO pretraining (docs/algorithms.md)."""
 
     path: str | None = None
     """null = initialise the backbone from the policy's weights; else a saved rlcli critic (a folder with value_head.json: head loaded too) or any HF model folder (backbone only, fresh head; e.g. a reward model, as in VAPO)."""
@@ -61,9 +64,9 @@ class CriticConfig:
     warmup_steps: int = 0
     """Linear LR warmup of the critic, in critic optimizer steps."""
     head: str = "scalar"
-    """Value head: scalar | multi (mean of num_heads heads, seed 001) | distributional (categorical over num_bins atoms, seed 001)."""
+    """Value head: scalar | multi (mean of num_heads heads) | distributional (categorical over num_bins atoms); multi and distributional are rlcli options, not from a paper."""
     num_heads: int = 4
-    """multi: K heads, each trained on the same target with its own clipped loss; V = their mean (seed 001 uses learned gates; see rlcli/models/value.py)."""
+    """multi: K heads, each trained on the same target with its own clipped loss; V = their mean (uniform weights, no learned gates; see rlcli/models/value.py)."""
     num_bins: int = 51
     """distributional: atoms of the fixed support linspace(v_min, v_max)."""
     v_min: float = -1.0
@@ -73,11 +76,11 @@ class CriticConfig:
     pretrain_steps: int = 50
     """VAPO value pretraining K, when algo.value_pretrain is on: critic-only steps on rollouts of the frozen initial policy with Monte-Carlo returns (λ = 1) before any actor update (VAPO §5.1: "value network warmup for 50 steps")."""
     pretrain_ev_threshold: float | None = None
-    """Stop value pretraining early once the explained variance of a fresh batch reaches this (e.g. 0.8, seed 001); null = run all pretrain_steps."""
+    """rlcli option: stop value pretraining early once the explained variance of a fresh batch reaches this (e.g. 0.8); null = run all pretrain_steps."""
     aug_w0: float | None = None
-    """Seed 001 value augmentation: V_aug = w(t)·V_pretrained + (1 - w(t))·V_critic, w(t) = w0·exp(-κ t/T), V_pretrained frozen after pretraining; null = off."""
+    """rlcli option (not from a paper), value augmentation: advantages use V_aug = w(t)·V_pretrained + (1 - w(t))·V_critic, w(t) = w0·exp(-κ t/T), V_pretrained frozen after pretraining; null = off."""
     aug_kappa: float = 5.0
-    """κ: decay rate of the augmentation weight w(t) (seed 001 eq. 18 without its reliability term)."""
+    """κ: decay rate of the augmentation weight w(t) = w0·exp(-κ t/T)."""
 
 
 def validate_critic(cfg: Any) -> None:
@@ -383,7 +386,7 @@ def critic_loss(
     clip_range: float | None = 0.5,
     num_tokens: Tensor | float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Critic loss of one micro-batch, token_mean with the mini-batch normalizer (DESIGN.md §5.4).
+    """Critic loss of one micro-batch, token_mean with the mini-batch normalizer (docs/algorithms.md).
 
     Shapes: head_out [n, T, K] from `response_head_outputs` (with grad); old_values, returns,
     mask [n, T]; num_tokens = valid tokens of the whole optimizer mini-batch (all micro-batches,
@@ -426,17 +429,17 @@ def critic_loss(
 
 
 # ---------------------------------------------------------------------------------------------------
-# Seed 001 value augmentation
+# Value augmentation (rlcli option, not from a paper; docs/algorithms.md#rlcli-options)
 # ---------------------------------------------------------------------------------------------------
 
 
 def augmented_values(
     v_critic: Tensor, v_pretrained: Tensor, step: int, total_steps: int, w0: float, kappa: float
 ) -> Tensor:
-    """V_aug = w(t)·V_pretrained + (1 - w(t))·V_critic, w(t) = w0·exp(-κ·t/T) (seed 001 eq. 17-18).
+    """V_aug = w(t)·V_pretrained + (1 - w(t))·V_critic, w(t) = w0·exp(-κ·t/T) (rlcli option).
 
-    Shapes: [N, T] -> [N, T] (0 where both inputs are 0, i.e. at masked positions). The seed's
-    extra factor (1 + η·reliability(V_critic, t))^-1 is not implemented: "reliability" is undefined.
+    Shapes: [N, T] -> [N, T] (0 where both inputs are 0, i.e. at masked positions). The weight is a
+    fixed schedule; it does not adapt to how reliable the critic has become.
     `total_steps` below 1 counts as 1 (same schedule function as the VAPO-GRPO hybrid's α(t)).
     """
     w = hybrid_alpha(step, total_steps, w0, kappa)

@@ -1,4 +1,4 @@
-"""Task rewards (DESIGN.md §5.1 step 1): weighted reward functions, verified in sandboxed workers.
+"""Task rewards (docs/rewards.md): weighted reward functions, verified in sandboxed workers.
 
     manager = RewardManager(cfg.reward)          # starts the workers (non-blocking), once per run
     out = manager(responses, ground_truths)      # out.score [N], out.acc [N], out.parts, out.metrics

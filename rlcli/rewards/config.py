@@ -1,6 +1,6 @@
 """The reward config schema (Hydra structured config) and its validation.
 
-Scoring (DESIGN.md §5.1 step 1), per response i:
+Scoring (docs/rewards.md#scoring), per response i:
 
     score_i = Σ_k weights[k] · v_k,i
     v_math_verify,i = correct_score if acc_i == 1 else incorrect_score
@@ -27,7 +27,7 @@ from typing import Any
 from rlcli.rewards.functions import REWARDS
 
 # Metric names the manager emits besides "reward/<part>"; a part may not take one of them, nor
-# the trainer's reward/mean and reward/std (DESIGN.md §8).
+# the trainer's reward/mean and reward/std (docs/metrics.md).
 RESERVED_NAMES = ("timeouts", "errors", "restarts", "mean", "std", "pool_mean")
 
 

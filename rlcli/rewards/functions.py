@@ -1,4 +1,4 @@
-"""Reward functions (DESIGN.md §5.1) and the per-response scorer that runs inside sandbox workers.
+"""Reward functions (docs/rewards.md) and the per-response scorer that runs inside sandbox workers.
 
 Every reward function has one signature, ``fn(response: str, ground_truth: str, **options) -> float``,
 is a top-level function (the worker imports it by name) and is registered in :data:`REWARDS`.

@@ -23,8 +23,8 @@ def main() -> None:
     prompts = t.train_prompts.examples[: r.prompts_per_step]
     b = generate(t.actor.module, t.tokenizer, [p["prompt"] for p in prompts], [p["answer"] for p in prompts],
                  r.n, r.max_new_tokens, r.temperature)
-    out = t.rewards(b.texts, b.answers)
-    b, _ = shape(b.replace(scores=out.score.clone(), acc=out.acc), cfg.algo, r)
+    b, reward_counts = t.reward(b)
+    b, _ = shape(b, cfg.algo, r)
     b = b.select_groups(b.groups[t.rank :: t.world])  # this rank's share of whole groups
     b = b.replace(**t.score(b, 1))
     grads: dict[str, torch.Tensor] = {}
@@ -39,7 +39,7 @@ def main() -> None:
     advantages, returns = t.advantages(b, rewards, 1)
     b = b.replace(advantages=advantages, returns=returns)
     counts = {f"dynamic_sampling/{k}": 0.0 for k in ("gen_batches", "generated_groups", "kept_groups", "carried")}
-    metrics = {**t.sampling_metrics(b, [b], {}, counts), **t.batch_metrics(b), **t.update_kl_controller(b, kl),
+    metrics = {**t.sampling_metrics(b, [b], {}, counts | reward_counts), **t.batch_metrics(b), **t.update_kl_controller(b, kl),
                **t.update(b)}
     if t.rank == 0:
         torch.save({"metrics": metrics, "grads": grads}, sys.argv[2])
