@@ -196,7 +196,7 @@ def test_two_processes_and_micro_batches_give_the_same_step(tmp_path, agg, algo)
     micro = one_update(tmp_path, "micro", 1, [*extra, "hw.micro_batch=3"])
     dist = one_update(tmp_path, "two", 2, extra)
     assert base["metrics"]["actor/grad_norm"] > 0
-    if agg == "token_mean":
+    if (agg, algo) == ("token_mean", "grpo"):  # whitened REINFORCE++ advantages have mean 0: so has its loss
         assert abs(base["metrics"]["actor/pg_loss"]) > 1e-4  # a loss worth comparing
     for other in (micro, dist):
         for k in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "reward/mean", "reward/std",
