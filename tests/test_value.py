@@ -95,7 +95,7 @@ def test_config_is_a_documented_structured_config():
     from rlcli.schema_doc import field_docs
 
     node = OmegaConf.structured(CriticConfig)
-    assert node.path is None and node.head == "scalar" and node.pretrain_steps == 0
+    assert node.path is None and node.head == "scalar" and node.pretrain_steps == 50  # VAPO's 50 steps
     docs = field_docs(CriticConfig)
     assert set(docs) == set(CriticConfig.__dataclass_fields__), "every field needs a docstring"
     with pytest.raises(ValidationError):
@@ -109,7 +109,7 @@ def test_config_is_a_documented_structured_config():
         ({"head": "quantile"}, "valid names: scalar, multi, distributional"),
         ({"v_min": 1.0, "v_max": 1.0}, "v_min"),
         ({"num_bins": 1}, "num_bins"),
-        ({"aug_w0": 0.5}, "no pretrained value model"),
+        ({"pretrain_steps": 0}, "algo.value_pretrain=false turns value pretraining off"),
         ({"aug_w0": 1.5, "pretrain_steps": 5}, "aug_w0"),
     ],
 )
