@@ -58,14 +58,6 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum a tensor over ranks (a no-op copy in one process)."""
-    x = x.clone()
-    if world_size() > 1:
-        dist.all_reduce(x, op=dist.ReduceOp.SUM)
-    return x
-
-
 def device(hw: Any) -> torch.device:
     if hw.device == "cuda":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))

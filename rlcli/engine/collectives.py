@@ -10,14 +10,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
 def all_reduce(x: Tensor, op: str = "sum") -> Tensor:
     """A copy of `x` reduced over ranks with `op` in sum | max | min."""
     x = x.clone()
-    if _world() > 1:
+    if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(x, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
     return x
 
