@@ -100,7 +100,7 @@ def test_ranks_agree_on_the_group_count_under_train_on_partial():
     # Nothing kept anywhere: fail even with train_on_partial (there is nothing to train on).
     none = GroupSampler(need=3, dynamic=True, filter_metric="acc", max_gen_batches=1, train_on_partial=True,
                         agree=lambda k: min(k, 0))
-    with pytest.raises(DynamicSamplingExhausted):
+    with pytest.raises(DynamicSamplingExhausted, match=r"found only 0 .* \(on the rank with fewest; this rank: 1\)"):
         none.collect(lambda: batch([1], [(1, 0)]), Policy())
 
 

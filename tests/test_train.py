@@ -209,3 +209,20 @@ def test_two_processes_and_micro_batches_give_the_same_step(tmp_path, agg, algo)
         for n, g in base["grads"].items():
             scale = g.abs().max().item()
             assert (other["grads"][n] - g).abs().max().item() <= 1e-5 * scale + 1e-12, n
+
+
+def test_cpu_x2_dynamic_sampling_with_train_on_partial_never_deadlocks(tmp_path):
+    """Two ranks keep different numbers of informative groups when the generation cap is hit. They must
+    agree on one count (the minimum) and so run the same optimizer steps and collectives: the run
+    finishes (the subprocess timeout turns a deadlock into a failure) and rank 0 logs global counts."""
+    run = tmp_path / "run"
+    rlcli(tmp_path, "train", "hw=cpu_x2", "algo=dapo", "steps=2", "save=false", "eval.before=false",
+          "data.eval_size=4", "algo.filter_metric=score", "rollout.overlong_buffer_len=4",
+          "algo.max_gen_batches=1", "algo.train_on_partial=true", "rollout.prompts_per_step=16",
+          "rollout.gen_prompts_per_step=16", "rollout.n=2", "algo.mini_batches=2", f"hydra.run.dir={run}", *FAST[3:], timeout=300)
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "actor/pg_loss" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert r["dynamic_sampling/gen_batches"] == 1 and 0 < r["dynamic_sampling/kept_fraction"] < 1
+        assert r["actor/grad_norm"] > 0

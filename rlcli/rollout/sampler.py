@@ -82,8 +82,9 @@ class GroupSampler:
                 if self.train_on_partial and held > 0:
                     break
                 raise DynamicSamplingExhausted(
-                    f"dynamic sampling found only {kept} informative groups of the {self.need} needed per rank "
-                    f"after algo.max_gen_batches={self.max_gen_batches} generation batches of "
+                    f"dynamic sampling found only {held} informative groups of the {self.need} needed per rank "
+                    + (f"(on the rank with fewest; this rank: {kept}) " if held != kept else "")
+                    + f"after algo.max_gen_batches={self.max_gen_batches} generation batches of "
                     f"{len(pool[0].groups) if pool else 0} prompts: raise algo.max_gen_batches or "
                     "rollout.gen_prompts_per_step, or set algo.train_on_partial=true"
                 )
