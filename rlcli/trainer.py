@@ -177,12 +177,11 @@ class Trainer:
         with timer("update"):  # 6
             updated = self.update(batch)
         n_tokens = all_reduce(batch.response_mask.sum()).item()
+        rollout_s = timer.seconds.get("rollout", 0.0)  # 0 when carried groups filled the step
         return {
             **sampled, **self.batch_metrics(batch), **kl_metrics, **updated, **timer.metrics(),
-            "timing_s/step": time.perf_counter() - t0,
-            "perf/tokens_per_s": n_tokens / max(timer.seconds["rollout"], 1e-9),
-            "perf/peak_mem_gb": peak_mem_gb(),
-        }
+            "timing_s/step": time.perf_counter() - t0, "perf/peak_mem_gb": peak_mem_gb(),
+        } | ({"perf/tokens_per_s": n_tokens / rollout_s} if rollout_s > 0 else {})
 
     def pretrain_critic(self) -> dict[str, float]:
         """VAPO value pretraining (arXiv:2504.05118 §4.1, "value network warmup for 50 steps"): the same
