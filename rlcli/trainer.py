@@ -196,7 +196,7 @@ class Trainer:
             timer = Timer()
             batch, _ = self.collect(timer)
             with timer("score"):
-                batch = batch.replace(**self.score(batch, 0))
+                batch = batch.replace(**self.score(batch, 0, actor=False))
             with timer("advantage"):
                 rewards, _ = self.token_rewards(batch)
                 batch = batch.replace(returns=self.advantages(batch, rewards, 0, monte_carlo)[1])
@@ -297,17 +297,20 @@ class Trainer:
         """Critic values at `b`'s response positions. -> [N, T]"""
         return self.per_token(lambda *x: response_values(critic, *x), b)
 
-    def score(self, batch: RolloutBatch, step: int) -> dict[str, Tensor]:
+    def score(self, batch: RolloutBatch, step: int, actor: bool = True) -> dict[str, Tensor]:
         """-> {old_logp, ref_logp, values, adv_values} [N, T] each, those this run uses. old_logp is the
         trainer's log-prob of the sampling policy: computed for fresh rows unless the update is on-policy
-        (then it is logp.detach() in the loss); carried rows bring the one recorded when they were sampled."""
+        (then it is logp.detach() in the loss); carried rows bring the one recorded when they were sampled.
+        With `actor` False (value pretraining) the policy is not updated: log-probs are computed only
+        for a KL penalty in the reward."""
         out: dict[str, Tensor] = {}
+        kl_in_reward = self.ref is not None and self.cfg.algo.kl_in_reward
         fresh = (~batch.stale).nonzero().squeeze(-1)  # [n_fresh]
-        if not self.on_policy and len(fresh):
+        if (not self.on_policy if actor else kl_in_reward) and len(fresh):
             old = batch.old_logp.clone() if batch.old_logp is not None else torch.zeros_like(batch.response_mask)
             old[fresh] = self.logprobs(self.actor.module, batch.select(fresh))
             out["old_logp"] = old
-        if self.ref is not None:
+        if self.ref is not None and (actor or kl_in_reward):
             out["ref_logp"] = self.logprobs(self.ref, batch)
         if self.critic is not None:
             out["values"] = out["adv_values"] = self.values(self.critic.module, batch)

@@ -183,3 +183,22 @@ def test_critic_schedule_spans_pretraining_and_every_epoch(tmp_path, monkeypatch
         assert t.actor.scheduler.lr_lambdas[0](5) > 0 and t.actor.scheduler.lr_lambdas[0](6) == pytest.approx(0.0)
     finally:
         t.rewards.close()
+
+
+@pytest.mark.slow
+def test_value_pretraining_skips_policy_log_probs_it_does_not_use(tmp_path, monkeypatch):
+    """Off-policy VAPO (2 mini-batches) without KL: pretraining never updates the policy and has no KL
+    penalty, so it must not spend a policy forward pass on old log-probs (one per step at 32B scale)."""
+    t = make(tmp_path, monkeypatch, "algo=vapo", "algo.mini_batches=2", "rollout.prompts_per_step=4",
+             "rollout.n=2", "critic.pretrain_steps=2", "+reward.weights.sevens=1.0",
+             "+reward.custom.sevens=reward_fixtures.count_sevens")
+    try:
+        assert not t.on_policy and t.ref is None
+        calls = []
+        logprobs = t.logprobs
+        monkeypatch.setattr(t, "logprobs", lambda *a: (calls.append(1), logprobs(*a))[1])
+        assert t.pretrain_critic()["steps"] == 2 and calls == []
+        t.train_step(1)
+        assert calls, "the actor's update does need them"
+    finally:
+        t.rewards.close()
