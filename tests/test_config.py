@@ -179,6 +179,7 @@ def test_vapo_at_paper_scale_is_the_papers_batch():
     (["algo=grpo", "algo.kl_coef=0.04", "algo.kl_target=0.1"], "kl_in_reward"),
     (["hw=cpu_x2", "algo=dapo", "rollout.gen_prompts_per_step=5"], "divisible by hw.nproc=2"),
     (["rollout.engine=vllm"], "rollout.engine='vllm' is not a known rollout engine; valid names: hf"),
+    (["algo=dapo", "algo.filter_metric=reward"], "acc (verified correctness, DAPO) or score"),
 ])
 def test_a_switch_that_is_on_acts_or_fails_validation_with_the_fix(overrides, fix):
     with pytest.raises(ValueError, match=None) as e:

@@ -200,7 +200,8 @@ def validate(cfg: Any) -> None:
     need(cfg.nll_coef >= 0.0, "nll_coef", ">= 0")
     need(cfg.overlong_penalty_factor >= 0.0, "overlong_penalty_factor", ">= 0")
     need(cfg.max_gen_batches >= 1, "max_gen_batches", ">= 1")
-    need(bool(cfg.filter_metric), "filter_metric", "a metric name such as acc")
+    need(cfg.filter_metric in ("acc", "score"), "filter_metric",
+         "acc (verified correctness, DAPO) or score (the shaped reward)")
     need(0.0 <= cfg.hierarchical_alpha <= 1.0, "hierarchical_alpha", "in [0, 1]")
     need(0.0 <= cfg.hybrid_alpha0 <= 1.0, "hybrid_alpha0", "in [0, 1]")
     need(cfg.hybrid_kappa >= 0.0, "hybrid_kappa", ">= 0")
