@@ -97,7 +97,8 @@ class AlgoConfig:
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: keep only groups whose filter metric varies (0 < #correct < G), refill."""
     filter_metric: str = "acc"
-    """Per-trajectory metric whose zero within-group variance drops a group under dynamic sampling."""
+    """Per-trajectory metric whose zero within-group variance drops a group under dynamic sampling:
+    acc | score."""
     max_gen_batches: int = 10
     """Dynamic sampling: generation batches allowed per step before failing (or training on fewer)."""
     train_on_partial: bool = False
