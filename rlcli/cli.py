@@ -64,31 +64,70 @@ def _freeze(cfg: Any) -> str:
 
 
 def train_job(cfg: Any) -> dict[str, Any] | None:
-    """One Hydra job: validate, freeze, then train here or launch workers."""
+    """One Hydra job: validate, resolve `resume` (and check the checkpoint's config against this one),
+    freeze, then train here or launch workers."""
+    from omegaconf import open_dict
+
+    from rlcli import checkpoint
     from rlcli.config import validate
 
     _run_dir(cfg)
     validate(cfg)
+    resume = checkpoint.resolve(cfg.resume, cfg.run_dir)
+    if resume is not None:
+        checkpoint.check_compatible(resume, cfg)
+    elif cfg.resume == "auto":
+        print(f"resume=auto: no checkpoint in {checkpoint.root(cfg.run_dir)} yet, starting fresh", flush=True)
+    with open_dict(cfg):
+        cfg.resume = resume  # the frozen config names the checkpoint itself
     frozen = _freeze(cfg)
     if cfg.hw.nproc == 1:
         from rlcli.trainer import Trainer
 
         return Trainer(cfg).fit()
-    return launch(frozen, cfg.hw.nproc, cfg.hw.master_port)
+    return launch(frozen, cfg.hw)
 
 
-def launch(frozen_config: str, nproc: int, port: int | None) -> None:
+def launch(frozen_config: str, hw: Any) -> None:
+    """Run `hw.nproc` workers under torchrun. SIGTERM/SIGINT reach the workers once, through torchrun,
+    which gives them hw.shutdown_timeout_s to checkpoint; a second SIGINT kills them at once."""
+    import signal
+
+    import psutil
+
     from rlcli.engine import free_port
 
-    port = port or free_port()
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-        f"--master_port={port}", "-m", "rlcli.worker", frozen_config,
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={hw.nproc}",
+        f"--master_port={hw.master_port or free_port()}", f"--shutdown-timeout={hw.shutdown_timeout_s}",
+        "-m", "rlcli.worker", frozen_config,
     ]
     print("launching:", " ".join(cmd), flush=True)
-    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
-    if proc.returncode:
-        raise SystemExit(f"workers failed with exit code {proc.returncode}; see the log above")
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    # Own session: a terminal's Ctrl-C reaches this process only, and is forwarded exactly once.
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    received: list[int] = []
+
+    def forward(signum: int, frame: Any) -> None:
+        if received and signum == signal.SIGINT:
+            try:
+                for p in [*psutil.Process(proc.pid).children(recursive=True), proc]:
+                    p.kill()
+            except psutil.NoSuchProcess:
+                pass
+            return
+        received.append(signum)
+        proc.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        code = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if code:
+        why = f"stopped by {signal.Signals(received[0]).name}" if received else f"failed with exit code {code}"
+        raise SystemExit(f"workers {why}; see the log above")
 
 
 def sft_job(cfg: Any) -> None:

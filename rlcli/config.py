@@ -20,6 +20,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from rlcli.algos.config import AlgoConfig
+from rlcli.checkpoint import CheckpointConfig
 from rlcli.data.config import DataConfig
 from rlcli.models.tiny import TinyModelConfig
 from rlcli.models.value import CriticConfig
@@ -116,6 +117,12 @@ class HWConfig:
     """Use DeepSpeed's CPU shared-memory all-reduce op (JIT-compiled once, ~50 s); gloo otherwise."""
     master_port: int | None = None
     """Rendezvous port for multi-process runs (null = a free port)."""
+    collective_timeout_s: int = 1800
+    """A collective that waits this long for a dead or stuck rank fails with an error naming the rank, step
+    and stage (torch's default, 30 min). Must exceed the longest stage one rank can spend alone (generation)."""
+    shutdown_timeout_s: int = 600
+    """After SIGTERM/SIGINT, seconds torchrun gives the workers to finish their step and write a checkpoint
+    before it kills them (multi-process runs)."""
 
 
 @dataclass
@@ -195,6 +202,11 @@ class Config:
     """Held-out evaluation."""
     ladder: LadderConfig = field(default_factory=LadderConfig)
     """Ladder-rung metadata, set by recipes only."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Periodic checkpoints for exact resume (README, "Checkpoints and resume")."""
+    resume: str | None = None
+    """auto = continue from run_dir's latest checkpoint if there is one (pass hydra.run.dir=<the run>), else
+    start fresh; or a checkpoint directory (run/checkpoints/step_N) or a run directory to continue from."""
     seed: int = 0
     """Global seed (data order, sampling, initialisation)."""
     steps: int = 60
@@ -254,6 +266,10 @@ def validate(cfg: DictConfig | Any) -> None:
         ("rollout.max_new_tokens", r.max_new_tokens, 1),
         ("hw.micro_batch", hw.micro_batch, 1),
         ("steps", cfg.steps, 0),
+        ("checkpoint.every", cfg.checkpoint.every, 0),
+        ("checkpoint.keep_last", cfg.checkpoint.keep_last, 1),
+        ("hw.collective_timeout_s", hw.collective_timeout_s, 1),
+        ("hw.shutdown_timeout_s", hw.shutdown_timeout_s, 0),
         ("hw.nproc", hw.nproc, 1),
     ):
         if value < low:

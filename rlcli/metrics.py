@@ -10,6 +10,7 @@ import json
 import math
 import os
 import resource
+import shutil
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -33,9 +34,11 @@ class Timer:
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
+        self.stage: str | None = None  # the stage entered last (named in errors)
 
     @contextmanager
     def __call__(self, stage: str) -> Iterator[None]:
+        self.stage = stage
         t0 = time.perf_counter()
         try:
             yield
@@ -56,9 +59,13 @@ def _clean(metrics: dict[str, Any]) -> dict[str, float]:
 
 
 class MetricsLogger:
-    """Writes every metric to run_dir/metrics.jsonl, and to wandb when configured. Rank 0 only."""
+    """Writes every metric to run_dir/metrics.jsonl, and to wandb when configured. Rank 0 only.
 
-    def __init__(self, cfg: Any, run_dir: str, config_dict: dict[str, Any], enabled: bool = True):
+    A resumed run passes `rows_from` (the checkpoint's metrics.jsonl: the rows up to its step, so rows a
+    killed run wrote after it are dropped) and the checkpoint's `wandb_id` (wandb continues that run)."""
+
+    def __init__(self, cfg: Any, run_dir: str, config_dict: dict[str, Any], enabled: bool = True,
+                 rows_from: str | None = None, wandb_id: str | None = None):
         self.enabled = enabled
         self.cfg = cfg
         self.path = os.path.join(run_dir, "metrics.jsonl")
@@ -66,6 +73,9 @@ class MetricsLogger:
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
+        if rows_from is not None:
+            shutil.copyfile(rows_from, self.path + ".tmp")
+            os.replace(self.path + ".tmp", self.path)
         self.file = open(self.path, "a", buffering=1)  # noqa: SIM115 (open for the run's lifetime)
         if cfg.name == "wandb":
             import wandb
@@ -74,8 +84,18 @@ class MetricsLogger:
             os.environ.setdefault("WANDB_CACHE_DIR", os.path.join(run_dir, "wandb-cache"))
             self.wandb = wandb.init(
                 project=cfg.project, mode=cfg.mode, dir=run_dir, config=config_dict,
-                name=os.path.basename(run_dir.rstrip("/")),
+                name=os.path.basename(run_dir.rstrip("/")), id=wandb_id, resume="allow" if wandb_id else None,
             )
+
+    @property
+    def wandb_id(self) -> str | None:
+        return self.wandb.id if self.wandb is not None else None
+
+    def snapshot(self, path: str) -> None:
+        """Copy the rows written so far to `path` (a checkpoint's metrics.jsonl)."""
+        if self.enabled:
+            self.file.flush()
+            shutil.copyfile(self.path, path)
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         if not self.enabled:

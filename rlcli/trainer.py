@@ -8,7 +8,7 @@
     5 advantage  token rewards (minus the in-reward KL), then ADVANTAGES[algo.adv_estimator]
     6 update     ppo_epochs x mini_batches optimizer steps, each over micro-batches, with loss
                  normalizers reduced over the whole mini-batch (all micro-batches, all ranks)
-    7 log/eval/save
+    7 log/eval/checkpoint (rlcli.checkpoint: every checkpoint.every steps, and on SIGTERM/SIGINT)
 
 Algorithms never fork this loop: they are a config plus registered functions. VAPO value pretraining
 runs the same stages 1-5 and an update of the critic alone.
@@ -30,6 +30,7 @@ from omegaconf import OmegaConf
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from rlcli import checkpoint as ckpt
 from rlcli import engine as eng
 from rlcli.algos.advantages import NEEDS_VALUES, AdvantageInputs, compute_advantages
 from rlcli.algos.functional import (
@@ -118,45 +119,67 @@ class Trainer:
         self.sampler = GroupSampler(self.p_local, a.dynamic_sampling, a.filter_metric, a.max_gen_batches,
                                     a.train_on_partial, agree=agree_min)
         self.next_group = self.rank * 10**9  # group ids unique across ranks and steps
+        self.timer = Timer()  # the current step's stage timer (its last stage is named in errors)
+        self.start_step, self.result, self.train_seconds = 0, {}, 0.0
+        self.resumed_from = ckpt.resolve(cfg.resume, cfg.run_dir)
+        meta = self.restore(self.resumed_from) if self.resumed_from else {}
         self.logger = MetricsLogger(
-            cfg.logger, cfg.run_dir, OmegaConf.to_container(cfg, resolve=True), enabled=self.main
+            cfg.logger, cfg.run_dir, OmegaConf.to_container(cfg, resolve=True), enabled=self.main,
+            rows_from=os.path.join(self.resumed_from, "metrics.jsonl") if self.resumed_from else None,
+            wandb_id=meta.get("wandb_id"),
         )
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, Any]:
-        cfg = self.cfg
+        cfg, result = self.cfg, self.result
         self.print(startup_summary(self))
-        result: dict[str, Any] = {}
-        if cfg.eval.before:
-            result["eval_before"] = self.evaluate()
-            self.print(f"held-out accuracy before training: {result['eval_before']['eval/acc']:.3f}")
-            self.logger.log({f"{k}_before": v for k, v in result["eval_before"].items()}, step=0)
-        t_start = time.perf_counter()
-        if self.pretrain_steps:
-            result["value_pretrain"] = self.pretrain_critic()
-        bar = tqdm(range(1, cfg.steps + 1), desc="train", disable=not self.main, dynamic_ncols=True)
-        for step in bar:
-            metrics = self.train_step(step)
-            if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.steps:
-                metrics.update(self.evaluate())
-            self.logger.log(metrics, step)
-            bar.set_postfix(acc=f"{metrics['acc/mean']:.2f}", len=f"{metrics['response_length/mean']:.0f}")
-            if self.main and step % cfg.logger.log_every == 0:
-                tqdm.write(self.logger.headline(metrics, step))
-        result["train_seconds"] = time.perf_counter() - t_start
+        with ckpt.StopSignals(self.print) as signals:
+            t_start = time.perf_counter()
+            if self.start_step:
+                self.print(f"resumed from {self.resumed_from}: {self.start_step} of {cfg.steps} steps done")
+            else:
+                if cfg.eval.before:
+                    result["eval_before"] = self.evaluate()
+                    self.print(f"held-out accuracy before training: {result['eval_before']['eval/acc']:.3f}")
+                    self.logger.log({f"{k}_before": v for k, v in result["eval_before"].items()}, step=0)
+                t_start = time.perf_counter()
+                if self.pretrain_steps:
+                    result["value_pretrain"] = self.pretrain_critic()
+            bar = tqdm(range(self.start_step + 1, cfg.steps + 1), desc="train", initial=self.start_step,
+                       total=cfg.steps, disable=not self.main, dynamic_ncols=True)
+            for step in bar:
+                try:
+                    metrics = self.train_step(step)
+                except Exception as e:  # e.g. a collective timed out: say which rank was where
+                    e.add_note(f"rank {self.rank} of {self.world}: training step {step}, stage {self.timer.stage}")
+                    raise
+                if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.steps:
+                    metrics.update(self.evaluate())
+                self.logger.log(metrics, step)
+                bar.set_postfix(acc=f"{metrics['acc/mean']:.2f}", len=f"{metrics['response_length/mean']:.0f}")
+                if self.main and step % cfg.logger.log_every == 0:
+                    tqdm.write(self.logger.headline(metrics, step))
+                signum = int(all_reduce(torch.tensor(signals.signum), "max").item())  # any rank signalled
+                if signum or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
+                    path = self.save_checkpoint(step, self.train_seconds + time.perf_counter() - t_start)
+                if signum:
+                    self.stop(signum, step, path)
+        result["train_seconds"] = self.train_seconds + time.perf_counter() - t_start
         result["eval_after"] = self.evaluate()
         self.logger.log({f"{k}_after": v for k, v in result["eval_after"].items()}, step=cfg.steps)
         self.print(
             f"held-out accuracy after training: {result['eval_after']['eval/acc']:.3f}"
             + (f" (before: {result['eval_before']['eval/acc']:.3f})" if "eval_before" in result else "")
         )
-        if cfg.save and self.main:
+        if cfg.save:  # all ranks: under ZeRO-3 the weights are gathered from every rank's partition
             path = os.path.join(cfg.run_dir, "policy")
             eng.save_policy(self.actor.module, self.tokenizer, path)
             result["policy_path"] = path
             self.print(f"saved policy to {path} (AutoModelForCausalLM.from_pretrained loads it)")
             if self.critic is not None:
-                self.critic.module.save_pretrained(os.path.join(cfg.run_dir, "critic"))
+                critic_state = eng.full_state_dict(self.critic.module)
+                if self.main:
+                    self.critic.module.save_pretrained(os.path.join(cfg.run_dir, "critic"), critic_state)
         if self.main:
             with open(os.path.join(cfg.run_dir, "result.json"), "w") as f:
                 json.dump(result, f, indent=2)
@@ -164,8 +187,65 @@ class Trainer:
         self.rewards.close()
         return result
 
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, step: int, train_seconds: float) -> str:
+        """Write everything step `step + 1` depends on (layout: rlcli.checkpoint); all ranks call it.
+        -> the checkpoint directory"""
+        cfg, barrier = self.cfg, torch.distributed.barrier
+        t0 = time.perf_counter()
+        tmp = ckpt.staging(cfg.run_dir, step, self.rank, barrier)
+        self.actor.save(tmp, "actor")
+        if self.critic is not None:
+            self.critic.save(tmp, "critic")
+        torch.save({
+            "rng": ckpt.rng_state(), "prompts": self.train_prompts.state_dict(), "carry": self.sampler.carry,
+            "next_group": self.next_group, "kl_coef": self.kl_ctl.value, "result": self.result,
+            "train_seconds": train_seconds,
+        }, os.path.join(tmp, f"rank_{self.rank}.pt"))
+        if self.main:
+            if self.v_pretrained is not None:
+                torch.save(self.v_pretrained.state_dict(), os.path.join(tmp, "v_pretrained.pt"))
+            self.logger.snapshot(os.path.join(tmp, "metrics.jsonl"))
+            OmegaConf.save(cfg, os.path.join(tmp, "config.yaml"), resolve=True)
+            with open(os.path.join(tmp, "meta.json"), "w") as f:
+                json.dump({"step": step, "world_size": self.world, "wandb_id": self.logger.wandb_id}, f, indent=2)
+        path = ckpt.commit(cfg.run_dir, step, cfg.checkpoint.keep_last, self.rank, barrier)
+        self.print(f"checkpoint {path} ({time.perf_counter() - t0:.1f} s)")
+        return path
+
+    def restore(self, path: str) -> dict[str, Any]:
+        """Load the checkpoint at `path` into this freshly built trainer. -> its meta.json"""
+        meta = ckpt.read_meta(path)
+        if meta["world_size"] != self.world:
+            raise ValueError(f"{path} was written by {meta['world_size']} ranks, this run has {self.world}: "
+                             f"resume with hw.nproc={meta['world_size']}")
+        self.actor.load(path, "actor")
+        if self.critic is not None:
+            self.critic.load(path, "critic")
+        if os.path.exists(v_file := os.path.join(path, "v_pretrained.pt")):
+            self.v_pretrained = eng.frozen_copy(self.critic.module)
+            self.v_pretrained.load_state_dict(torch.load(v_file))
+        state = torch.load(os.path.join(path, f"rank_{self.rank}.pt"), weights_only=False)
+        self.train_prompts.load_state_dict(state["prompts"])
+        self.sampler.carry = state["carry"]
+        self.next_group, self.kl_ctl.value = state["next_group"], state["kl_coef"]
+        self.start_step, self.result, self.train_seconds = meta["step"], state["result"], state["train_seconds"]
+        ckpt.set_rng_state(state["rng"])  # last: building the trainer drew from the RNGs too
+        return meta
+
+    def stop(self, signum: int, step: int, path: str) -> None:
+        """Exit after the checkpoint a SIGTERM/SIGINT asked for, saying how to continue."""
+        import signal
+
+        self.print(f"stopped by {signal.Signals(signum).name} after step {step}; checkpoint: {path}\n"
+                   f"continue with:\n  {ckpt.resume_command(self.cfg.run_dir)}")
+        self.logger.close()
+        self.rewards.close()
+        raise ckpt.Stopped(128 + signum)
+
     def train_step(self, step: int) -> dict[str, float]:
-        timer, t0 = Timer(), time.perf_counter()
+        timer = self.timer = Timer()
+        t0 = time.perf_counter()
         batch, sampled = self.collect(timer)  # 1-3 rollout, reward, shape (+ dynamic sampling)
         with timer("score"):  # 4
             batch = batch.replace(**self.score(batch, step))
@@ -193,7 +273,7 @@ class Trainer:
         out: dict[str, float] = {"steps": 0}
         bar = tqdm(range(1, self.pretrain_steps + 1), desc="value pretraining", disable=not self.main)
         for k in bar:
-            timer = Timer()
+            timer = self.timer = Timer()
             batch, _ = self.collect(timer)
             with timer("score"):
                 batch = batch.replace(**self.score(batch, 0, actor=False))
@@ -506,7 +586,12 @@ class Trainer:
         from rlcli.eval import metrics, sample_and_verify
 
         shard = self.eval_examples[self.rank :: self.world]
-        rows = sample_and_verify(self.actor.module, self.tokenizer, shard, self.cfg.eval, self.cfg.rollout, self.rewards)
+        # Seeded and on a forked RNG: the numbers do not depend on when evaluation runs, and evaluation
+        # never moves the RNG training samples from (so eval.* may change on resume).
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            torch.manual_seed(self.cfg.seed)
+            rows = sample_and_verify(self.actor.module, self.tokenizer, shard, self.cfg.eval, self.cfg.rollout,
+                                     self.rewards)
         if self.world > 1:
             gathered: list[Any] = [None] * self.world
             torch.distributed.all_gather_object(gathered, rows)

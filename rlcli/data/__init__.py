@@ -74,6 +74,14 @@ class PromptStream:
             self.epoch += 1
         return self.order.pop()
 
+    def state_dict(self) -> dict[str, Any]:
+        """The stream's position: epoch, the rest of this epoch's order, the shuffling RNG."""
+        return {"epoch": self.epoch, "order": list(self.order), "rng": self.rng.getstate()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch, self.order = state["epoch"], list(state["order"])
+        self.rng.setstate(state["rng"])
+
     def take(self, k: int) -> list[dict[str, str]]:
         """k prompts for this rank (the global draw is k * world)."""
         draw = [self._next_index() for _ in range(k * self.world)]

@@ -1,4 +1,4 @@
-"""DeepSpeed, in exactly one module: process group, engine construction, optimizer steps, saving.
+"""DeepSpeed, in exactly one module: process group, engine construction, optimizer steps, checkpoints, saving.
 
 The policy (and the critic) are DeepSpeed engines on CPU and GPU alike (docs/design.md#engine). The loop
 owns gradient accumulation: it marks the accumulation boundary itself and scales each micro-batch
@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -19,7 +20,10 @@ import torch.distributed as dist
 
 
 def init_distributed(hw: Any) -> None:
-    """Join (or create) the process group. A single process gets a one-rank gloo/nccl group."""
+    """Join (or create) the process group. A single process gets a one-rank gloo/nccl group.
+
+    Every collective of the group fails after hw.collective_timeout_s seconds without its peers (a dead
+    or stuck rank), so no rank ever waits forever."""
     import deepspeed
     import deepspeed.ops
 
@@ -36,7 +40,8 @@ def init_distributed(hw: Any) -> None:
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     if hw.num_threads:
         torch.set_num_threads(hw.num_threads)
-    deepspeed.init_distributed(dist_backend="gloo" if hw.device == "cpu" else "nccl", verbose=False)
+    deepspeed.init_distributed(dist_backend="gloo" if hw.device == "cpu" else "nccl", verbose=False,
+                               timeout=timedelta(seconds=hw.collective_timeout_s))
     if hw.device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
 
@@ -179,6 +184,21 @@ class Engine:
     def train(self) -> None:
         self.ds.train()
 
+    def save(self, directory: str, tag: str) -> None:
+        """DeepSpeed's checkpoint of weights and optimizer state (each rank its ZeRO partition) under
+        `directory/tag`, with the LR schedule and skip count this class owns. All ranks call it."""
+        state = {"rlcli_scheduler": self.scheduler.state_dict(), "rlcli_skipped_steps": self.skipped_steps}
+        self.ds.save_checkpoint(directory, tag=tag, client_state=state, save_latest=False)
+
+    def load(self, directory: str, tag: str) -> None:
+        """Restore what `save` wrote, optimizer moments and DeepSpeed's step counters included."""
+        path, state = self.ds.load_checkpoint(directory, tag=tag, load_optimizer_states=True,
+                                              load_lr_scheduler_states=False)
+        if path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint {tag!r} in {directory}")
+        self.scheduler.load_state_dict(state["rlcli_scheduler"])
+        self.skipped_steps = state["rlcli_skipped_steps"]
+
 
 def _as_float(norm: Any) -> float:
     """DeepSpeed's norm as a float: a 0-d tensor (ZeRO 1/2), a float (bf16, overflow), or None
@@ -198,13 +218,35 @@ def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
     return ref
 
 
+def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """The module's whole state dict on rank 0's CPU (None on other ranks). Under ZeRO-3 every rank holds
+    a partition of each parameter, so parameters are gathered one at a time (peak: one tensor). All
+    ranks call it."""
+    import deepspeed
+
+    if not any(hasattr(p, "ds_id") for p in module.parameters()):  # not partitioned (ZeRO 0-2)
+        return module.state_dict() if rank() == 0 else None
+    out: dict[str, torch.Tensor] | None = {} if rank() == 0 else None
+    for name, p in module.named_parameters():
+        with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+            if out is not None:
+                out[name] = p.detach().cpu().clone()
+    if out is not None:
+        out.update({n: b.detach().cpu() for n, b in module.named_buffers() if n in module.state_dict()})
+    return out
+
+
 def save_policy(module: torch.nn.Module, tokenizer: Any, path: str) -> None:
-    """save_pretrained + tokenizer, written to a temp dir then renamed so a crash never leaves half a model."""
+    """save_pretrained + tokenizer of the full (gathered) weights, written by rank 0 to a temp dir then
+    renamed so a crash never leaves half a model. All ranks call it."""
     import shutil
 
+    state = full_state_dict(module)
+    if rank() != 0:
+        return
     tmp = path + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    module.save_pretrained(tmp, safe_serialization=True)
+    module.save_pretrained(tmp, state_dict=state, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     old = path + ".old"
     if os.path.exists(path):

@@ -259,15 +259,19 @@ class ValueModel(nn.Module):
         head.load_state_dict(state)
         return cls(backbone, spec, head)
 
-    def save_pretrained(self, path: str) -> None:
+    def save_pretrained(self, path: str, state_dict: dict[str, Tensor] | None = None) -> None:
         """Backbone (save_pretrained) + value_head.safetensors + value_head.json, written to
-        `path`.tmp and renamed, so a crash never leaves a half-written critic at `path`."""
+        `path`.tmp and renamed, so a crash never leaves a half-written critic at `path`. `state_dict`:
+        this module's full state (gathered under ZeRO-3) instead of its own tensors."""
         from safetensors.torch import save_file
 
+        state = self.state_dict() if state_dict is None else state_dict
+        part = {name: {k[len(name) + 1 :]: v for k, v in state.items() if k.startswith(name + ".")}
+                for name in ("backbone", "head")}
         tmp = path + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        self.backbone.save_pretrained(tmp, safe_serialization=True)
-        head = {k: v.detach().cpu().contiguous() for k, v in self.head.state_dict().items()}
+        self.backbone.save_pretrained(tmp, state_dict=part["backbone"], safe_serialization=True)
+        head = {k: v.detach().cpu().contiguous() for k, v in part["head"].items()}
         save_file(head, os.path.join(tmp, HEAD_FILE))
         meta = {"format_version": HEAD_FORMAT_VERSION, **asdict(self.spec), "hidden_size": self.head.in_features}
         with open(os.path.join(tmp, HEAD_JSON), "w") as f:

@@ -1,0 +1,269 @@
+"""Checkpoints and resume: a run killed at any moment continues as if nothing happened.
+
+End-to-end tests run the real CLI (DeepSpeed engines, torchrun for hw=cpu_x2) on the tiny model and kill
+real processes with real signals. "Identical" means every logged metric except wall-clock timings and
+peak memory is equal bit for bit, and so is every weight of the final policy.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+from conftest import ROOT
+from omegaconf import OmegaConf
+from test_train import FAST
+
+from rlcli import checkpoint as ckpt
+
+
+# ---------------------------------------------------------------------------------------------- units
+def test_commit_is_atomic_and_keeps_the_newest(tmp_path):
+    run = str(tmp_path)
+    for step in (1, 2, 3):
+        tmp = ckpt.staging(run, step, 0, lambda: None)
+        (tmp_path / "checkpoints" / f".step_{step}.tmp" / "meta.json").write_text(json.dumps({"step": step}))
+        assert ckpt.latest(run) == (None if step == 1 else str(tmp_path / "checkpoints" / f"step_{step - 1}"))
+        ckpt.commit(run, step, keep_last=2, rank=0, barrier=lambda: None)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step_2", "step_3"]
+    # A save killed midway leaves only a .tmp directory: latest still names step 3, the next save clears it.
+    ckpt.staging(run, 4, 0, lambda: None)
+    assert ckpt.resolve("auto", run) == str(tmp_path / "checkpoints" / "step_3")
+    assert ckpt.resolve(run, "/elsewhere") == str(tmp_path / "checkpoints" / "step_3")  # a run directory
+    ckpt.staging(run, 5, 0, lambda: None)
+    assert not (tmp_path / "checkpoints" / ".step_4.tmp").exists()
+
+
+def test_resolve_auto_without_a_checkpoint_starts_fresh_and_a_bad_path_fails(tmp_path):
+    assert ckpt.resolve("auto", str(tmp_path)) is None
+    assert ckpt.resolve(None, str(tmp_path)) is None
+    with pytest.raises(ValueError, match="neither a checkpoint"):
+        ckpt.resolve(str(tmp_path / "nope"), str(tmp_path))
+
+
+def compose(*overrides):
+    from conftest import CONF
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from rlcli.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        cfg = hydra_compose("config", overrides=list(overrides))
+    cfg.run_dir = "/runs/a"
+    return cfg
+
+
+def test_a_resume_that_changes_the_math_fails_naming_the_keys(tmp_path):
+    saved = compose("steps=10")
+    OmegaConf.save(saved, tmp_path / "config.yaml", resolve=True)
+    (tmp_path / "meta.json").write_text(json.dumps({"step": 4}))
+    # Keys that do not change the math may change.
+    ckpt.check_compatible(str(tmp_path), compose("steps=20", "logger=wandb", "eval.every=5", "hw.micro_batch=8",
+                                                 "checkpoint.every=3", "resume=auto"))
+    with pytest.raises(ValueError, match=r"algo\.clip_high \(0\.2 in the checkpoint, 0\.28 now\).*optim\.lr"):
+        ckpt.check_compatible(str(tmp_path), compose("steps=10", "algo.clip_high=0.28", "optim.lr=1e-3"))
+    with pytest.raises(ValueError, match="hw.nproc"):
+        ckpt.check_compatible(str(tmp_path), compose("steps=10", "hw=cpu_x2"))
+    with pytest.raises(ValueError, match="steps=3 is below the checkpoint's step 4"):
+        ckpt.check_compatible(str(tmp_path), compose("steps=3"))
+
+
+def test_prompt_stream_continues_from_its_state():
+    from rlcli.data import PromptStream
+
+    data = [{"prompt": str(i), "answer": str(i)} for i in range(7)]
+    straight = PromptStream(data, seed=3, shuffle=True, rank=0, world=1)
+    first = straight.take(5)
+    resumed = PromptStream(data, seed=3, shuffle=True, rank=0, world=1)
+    resumed.load_state_dict(straight.state_dict())
+    assert first and straight.take(9) == resumed.take(9)  # crosses an epoch boundary
+
+
+# ---------------------------------------------------------------------------------------------- end to end
+SCENARIOS = {
+    "grpo": ["logger=wandb"],
+    # Dynamic sampling on the score, 2 x P prompts per generation batch: every step carries surplus groups.
+    "dapo": ["algo=dapo", "algo.filter_metric=score", "rollout.gen_prompts_per_step=8",
+             "rollout.overlong_buffer_len=4"],
+    # Critic, value pretraining and the frozen pretrained critic mixed into the advantages (V_aug).
+    "vapo": ["algo=vapo", "critic.pretrain_steps=2", "critic.aug_w0=0.5"],
+}
+VOLATILE = ("timing_s/", "perf/")  # wall-clock seconds and peak memory (also as pretrain/timing_s/...)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+def environment(cache):
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),
+            "RLCLI_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
+
+
+def start(tmp_path, cache, *args):
+    return subprocess.Popen([sys.executable, "-m", "rlcli.cli", "train", *args], cwd=tmp_path, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=environment(cache))
+
+
+def finish(proc, timeout=600):
+    out, _ = proc.communicate(timeout=timeout)
+    return proc.returncode, out
+
+
+def train(tmp_path, cache, *args):
+    code, out = finish(start(tmp_path, cache, *args))
+    assert code == 0, out[-6000:]
+    return out
+
+
+def rows(run):
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def stable(rs):
+    return [{k: v for k, v in r.items() if not any(part in k for part in VOLATILE)} for r in rs]
+
+
+def wait_for(predicate, proc, timeout=300):
+    t0 = time.time()
+    while not predicate():
+        assert proc.poll() is None, f"the run ended before the moment to interrupt it:\n{proc.communicate()[0][-4000:]}"
+        assert time.time() - t0 < timeout, "timed out waiting for the run"
+        time.sleep(0.02)
+
+
+def kill_tree(proc, sig=signal.SIGKILL):
+    """`sig` to the run and everything it started (torchrun and its workers run in their own sessions)."""
+    for p in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
+        try:
+            p.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
+
+
+def logged_step(run, step):
+    def seen():
+        path = run / "metrics.jsonl"
+        return path.exists() and any(f'"step": {step},' in line and "actor/pg_loss" in line
+                                     for line in path.read_text().splitlines())
+    return seen
+
+
+def policy_tensors(run):
+    from safetensors.torch import load_file
+
+    return load_file(str(run / "policy" / "model.safetensors"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hw", ["cpu", "cpu_x2"])
+@pytest.mark.parametrize("algo", list(SCENARIOS))
+def test_sigkill_then_resume_auto_is_bit_identical_to_a_straight_run(tmp_path, cache, algo, hw):
+    """SIGKILL in step 4 (after the step-2 checkpoint, after step 3's metrics were written), then the same
+    command with resume=auto: metrics of every step and the final weights equal a straight run's without
+    checkpoints, and the row the killed run wrote for step 3 is replaced, not duplicated."""
+    args = ["steps=5", f"hw={hw}", *FAST, *SCENARIOS[algo]]
+    straight = tmp_path / "straight"
+    train(tmp_path, cache, *args, "checkpoint.every=0", f"hydra.run.dir={straight}")
+
+    run = tmp_path / "killed"
+    proc = start(tmp_path, cache, *args, "checkpoint.every=2", f"hydra.run.dir={run}")
+    wait_for(logged_step(run, 3), proc)
+    kill_tree(proc)
+    finish(proc)
+    assert ckpt.latest(str(run)) == str(run / "checkpoints" / "step_2")
+    out = train(tmp_path, cache, *args, "checkpoint.every=2", f"hydra.run.dir={run}", "resume=auto")
+    assert "resumed from" in out and "2 of 5 steps done" in out
+
+    assert stable(rows(run)) == stable(rows(straight))
+    a, b = policy_tensors(straight), policy_tensors(run)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    if algo == "dapo":  # a carry was in flight at the checkpoint
+        assert [r for r in rows(straight) if r["step"] == 3][0]["dynamic_sampling/carried"] > 0
+    if algo == "grpo":  # wandb continues the same run
+        meta = ckpt.read_meta(str(run / "checkpoints" / "step_4"))
+        offline = [d for d in os.listdir(run / "wandb") if d.startswith("offline-run-")]
+        assert meta["wandb_id"] and len(offline) == 2 and all(d.endswith(meta["wandb_id"]) for d in offline)
+
+
+@pytest.mark.slow
+def test_a_kill_during_a_save_leaves_the_previous_checkpoint_usable(tmp_path, cache):
+    """SIGKILL while step 4's checkpoint is half written (the actor's files are on disk, nothing else):
+    `latest` still names step 2, and resume=auto continues from it to the straight run's numbers."""
+    args = ["steps=5", *FAST]
+    straight = tmp_path / "straight"
+    train(tmp_path, cache, *args, "checkpoint.every=0", f"hydra.run.dir={straight}")
+    run = tmp_path / "run"
+    code, out = finish(subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "helpers" / "kill_during_save.py"), "4", "train", *args,
+         "checkpoint.every=2", f"hydra.run.dir={run}"],
+        cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=environment(cache)))
+    assert code == -signal.SIGKILL, out[-4000:]
+    assert (run / "checkpoints" / ".step_4.tmp" / "actor").is_dir()  # the save really was cut midway
+    assert ckpt.latest(str(run)) == str(run / "checkpoints" / "step_2")
+    train(tmp_path, cache, *args, "checkpoint.every=2", f"hydra.run.dir={run}", "resume=auto")
+    assert stable(rows(run)) == stable(rows(straight))
+    assert sorted(os.listdir(run / "checkpoints")) == ["latest", "step_2", "step_4"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hw", ["cpu", "cpu_x2"])
+def test_sigterm_finishes_the_step_writes_a_checkpoint_and_says_how_to_resume(tmp_path, cache, hw):
+    run = tmp_path / "run"
+    proc = start(tmp_path, cache, "steps=50", f"hw={hw}", "checkpoint.every=0", f"hydra.run.dir={run}", *FAST)
+    wait_for(logged_step(run, 1), proc)
+    os.kill(proc.pid, signal.SIGTERM)  # as Slurm's preemption: the launching process gets it
+    code, out = finish(proc, timeout=300)
+    assert code != 0, out[-4000:]
+    latest = ckpt.latest(str(run))
+    assert latest is not None, out[-4000:]
+    step = ckpt.read_meta(latest)["step"]
+    assert 1 <= step < 50 and f"stopped by SIGTERM after step {step}" in out
+    assert f"hydra.run.dir={run} resume=auto" in out and f"hw={hw}" in out
+    assert max(r["step"] for r in rows(run)) == step  # nothing logged after the checkpoint
+
+
+@pytest.mark.slow
+def test_killing_one_of_two_ranks_stops_the_other_with_an_error(tmp_path, cache):
+    """SIGKILL rank 1 during training: the run exits with an error within the timeouts (30 s each) and
+    no worker is left behind."""
+    run = tmp_path / "run"
+    proc = start(tmp_path, cache, "steps=200", "hw=cpu_x2", "hw.collective_timeout_s=30", "hw.shutdown_timeout_s=30",
+                 f"hydra.run.dir={run}", *FAST)
+    wait_for(logged_step(run, 1), proc)
+    workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if "rlcli.worker" in " ".join(p.cmdline())]
+    assert len(workers) == 2
+    rank1 = next(p for p in workers if p.environ().get("RANK") == "1")
+    t0 = time.time()
+    rank1.kill()
+    code, out = finish(proc, timeout=180)
+    assert code != 0 and time.time() - t0 < 90, out[-4000:]
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in workers)
+
+
+@pytest.mark.slow
+def test_zero3_saves_the_trained_policy_gathered(tmp_path, cache):
+    """The policy saved by a ZeRO-3 engine is the full trained model: equal to the ZeRO-0 run's within
+    float32 rounding of the different partitioned update (1e-5), and different from the initial weights."""
+    base = ["steps=2", "save=true", "eval.before=false", *FAST]
+    z0, z3 = tmp_path / "z0", tmp_path / "z3"
+    train(tmp_path, cache, *base, f"hydra.run.dir={z0}")
+    train(tmp_path, cache, *base, "hw.zero_stage=3", f"hydra.run.dir={z3}")
+    a, b = policy_tensors(z0), policy_tensors(z3)
+    init = next((cache / "warm_start").iterdir())
+    from safetensors.torch import load_file
+
+    start_weights = load_file(str(init / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert b[k].shape == a[k].shape and b[k].numel() > 0, k
+        assert torch.allclose(a[k], b[k], atol=1e-5, rtol=0), k
+    assert any(not torch.equal(b[k], start_weights[k]) for k in b if k in start_weights)
