@@ -239,7 +239,8 @@ def test_killing_one_of_two_ranks_stops_the_other_with_an_error(tmp_path, cache)
     proc = start(tmp_path, cache, "steps=200", "hw=cpu_x2", "hw.collective_timeout_s=30", "hw.shutdown_timeout_s=30",
                  f"hydra.run.dir={run}", *FAST)
     wait_for(logged_step(run, 1), proc)
-    workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if "rlcli.worker" in " ".join(p.cmdline())]
+    workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+               if "rlcli.worker" in p.cmdline() and "torch.distributed.run" not in p.cmdline()]
     assert len(workers) == 2
     rank1 = next(p for p in workers if p.environ().get("RANK") == "1")
     t0 = time.time()
@@ -251,19 +252,22 @@ def test_killing_one_of_two_ranks_stops_the_other_with_an_error(tmp_path, cache)
 
 @pytest.mark.slow
 def test_zero3_saves_the_trained_policy_gathered(tmp_path, cache):
-    """The policy saved by a ZeRO-3 engine is the full trained model: equal to the ZeRO-0 run's within
-    float32 rounding of the different partitioned update (1e-5), and different from the initial weights."""
-    base = ["steps=2", "save=true", "eval.before=false", *FAST]
+    """The policy a ZeRO-3 engine saves is the whole trained model, not its empty partitions: after one step
+    from the same samples, its update (saved - initial) equals the ZeRO-0 run's update. Adam's first step is
+    lr * g / (|g| + eps), about ±lr per entry, so the two updates differ only where rounding flips the sign
+    of a near-zero gradient entry: the relative L2 difference stays below 1e-3 (measured: 2e-5), where
+    saving the initial or partial weights would give 1."""
+    base = ["steps=1", "eval.before=false", *FAST]
     z0, z3 = tmp_path / "z0", tmp_path / "z3"
     train(tmp_path, cache, *base, f"hydra.run.dir={z0}")
     train(tmp_path, cache, *base, "hw.zero_stage=3", f"hydra.run.dir={z3}")
-    a, b = policy_tensors(z0), policy_tensors(z3)
-    init = next((cache / "warm_start").iterdir())
     from safetensors.torch import load_file
 
-    start_weights = load_file(str(init / "model.safetensors"))
+    a, b = policy_tensors(z0), policy_tensors(z3)
+    init = load_file(str(next((cache / "warm_start").iterdir()) / "model.safetensors"))
     assert a.keys() == b.keys()
     for k in a:
         assert b[k].shape == a[k].shape and b[k].numel() > 0, k
-        assert torch.allclose(a[k], b[k], atol=1e-5, rtol=0), k
-    assert any(not torch.equal(b[k], start_weights[k]) for k in b if k in start_weights)
+    moved = torch.cat([(a[k] - init[k]).flatten() for k in a])
+    gap = torch.cat([(b[k] - a[k]).flatten() for k in a])
+    assert moved.norm() > 0 and gap.norm() / moved.norm() < 1e-3
