@@ -7,6 +7,7 @@ peak memory is equal bit for bit, and so is every weight of the final policy.
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -248,6 +249,23 @@ def test_killing_one_of_two_ranks_stops_the_other_with_an_error(tmp_path, cache)
     code, out = finish(proc, timeout=180)
     assert code != 0 and time.time() - t0 < 90, out[-4000:]
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in workers)
+
+
+@pytest.mark.slow
+def test_a_stuck_rank_becomes_an_error_naming_rank_step_and_stage(tmp_path, cache):
+    """SIGSTOP rank 1 (alive, never reaching its next collective): rank 0's collective fails after
+    hw.collective_timeout_s with an error that names the rank, the step and the stage, and the run exits."""
+    run = tmp_path / "run"
+    proc = start(tmp_path, cache, "steps=200", "hw=cpu_x2", "hw.collective_timeout_s=15", "hw.shutdown_timeout_s=5",
+                 f"hydra.run.dir={run}", *FAST)
+    wait_for(logged_step(run, 1), proc)
+    workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+               if "rlcli.worker" in p.cmdline() and "torch.distributed.run" not in p.cmdline()]
+    t0 = time.time()
+    next(p for p in workers if p.environ().get("RANK") == "1").suspend()
+    code, out = finish(proc, timeout=180)
+    assert code != 0 and time.time() - t0 < 90, out[-4000:]
+    assert re.search(r"rank 0 of 2: training step \d+, stage \w+", out), out[-4000:]
 
 
 @pytest.mark.slow
