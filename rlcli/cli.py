@@ -91,6 +91,7 @@ def train_job(cfg: Any) -> dict[str, Any] | None:
 def launch(frozen_config: str, hw: Any) -> None:
     """Run `hw.nproc` workers under torchrun. SIGTERM/SIGINT reach the workers once, through torchrun,
     which gives them hw.shutdown_timeout_s to checkpoint; a second SIGINT kills them at once."""
+    import contextlib
     import signal
 
     import psutil
@@ -110,11 +111,9 @@ def launch(frozen_config: str, hw: Any) -> None:
 
     def forward(signum: int, frame: Any) -> None:
         if received and signum == signal.SIGINT:
-            try:
+            with contextlib.suppress(psutil.NoSuchProcess):
                 for p in [*psutil.Process(proc.pid).children(recursive=True), proc]:
                     p.kill()
-            except psutil.NoSuchProcess:
-                pass
             return
         received.append(signum)
         proc.send_signal(signum)

@@ -76,7 +76,8 @@ class MetricsLogger:
         if rows_from is not None:
             shutil.copyfile(rows_from, self.path + ".tmp")
             os.replace(self.path + ".tmp", self.path)
-        self.file = open(self.path, "a", buffering=1)  # noqa: SIM115 (open for the run's lifetime)
+        # A fresh run starts an empty file, also in a reused run directory.
+        self.file = open(self.path, "a" if rows_from else "w", buffering=1)  # noqa: SIM115 (the run's lifetime)
         if cfg.name == "wandb":
             import wandb
 

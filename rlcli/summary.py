@@ -48,5 +48,9 @@ def startup_summary(t: Any) -> str:
         + (f" ({digits}-digit operands)" if d.source == "arith" else "")
         + f": {len(t.train_prompts.examples)} train, "
         f"{len(t.eval_examples)} eval prompts; {t.train_report.summary()}",
+        "  checkpoints    "
+        + (f"every {cfg.checkpoint.every} steps" if cfg.checkpoint.every else "only on SIGTERM/SIGINT")
+        + f" to {cfg.run_dir}/checkpoints, newest {cfg.checkpoint.keep_last} kept"
+        + (f"; resuming from {t.resumed_from} (step {t.start_step})" if t.resumed_from else ""),
     ]
     return "\n".join(lines)

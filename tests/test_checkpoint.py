@@ -5,6 +5,7 @@ real processes with real signals. "Identical" means every logged metric except w
 peak memory is equal bit for bit, and so is every weight of the final policy.
 """
 
+import contextlib
 import json
 import os
 import re
@@ -27,7 +28,7 @@ from rlcli import checkpoint as ckpt
 def test_commit_is_atomic_and_keeps_the_newest(tmp_path):
     run = str(tmp_path)
     for step in (1, 2, 3):
-        tmp = ckpt.staging(run, step, 0, lambda: None)
+        ckpt.staging(run, step, 0, lambda: None)
         (tmp_path / "checkpoints" / f".step_{step}.tmp" / "meta.json").write_text(json.dumps({"step": step}))
         assert ckpt.latest(run) == (None if step == 1 else str(tmp_path / "checkpoints" / f"step_{step - 1}"))
         ckpt.commit(run, step, keep_last=2, rank=0, barrier=lambda: None)
@@ -74,6 +75,19 @@ def test_a_resume_that_changes_the_math_fails_naming_the_keys(tmp_path):
         ckpt.check_compatible(str(tmp_path), compose("steps=10", "hw=cpu_x2"))
     with pytest.raises(ValueError, match="steps=3 is below the checkpoint's step 4"):
         ckpt.check_compatible(str(tmp_path), compose("steps=3"))
+
+
+def test_first_signal_raises_a_flag_and_a_second_ctrl_c_aborts():
+    said = []
+    before = signal.getsignal(signal.SIGTERM)
+    with ckpt.StopSignals(announce=said.append) as signals:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)  # Slurm and torchrun may both deliver it: still one stop
+        assert signals.signum == signal.SIGTERM and len(said) == 1 and "Ctrl-C again" in said[0]
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_prompt_stream_continues_from_its_state():
@@ -144,10 +158,8 @@ def wait_for(predicate, proc, timeout=300):
 def kill_tree(proc, sig=signal.SIGKILL):
     """`sig` to the run and everything it started (torchrun and its workers run in their own sessions)."""
     for p in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             p.send_signal(sig)
-        except psutil.NoSuchProcess:
-            pass
 
 
 def logged_step(run, step):
