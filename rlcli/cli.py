@@ -13,7 +13,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+# The shipped config groups: rlcli/conf is a link to the repository's top-level conf/ (where they are read
+# and edited), and an installed wheel holds a copy there (pyproject.toml package data).
+CONF_DIR = Path(__file__).resolve().parent / "conf"
 COMMANDS = {
     "train": "RL training: rollout -> reward -> shaping -> scoring -> advantage -> update.",
     "eval": "Sample eval.k responses per held-out prompt: acc_avg@k, pass@k, maj@k, length, truncation.",
@@ -25,10 +27,13 @@ COMMANDS = {
 
 
 def _usage() -> str:
-    lines = ["usage: rlcli <command> [key=value ...] [-m] [--cfg job] [--help]", "", "commands:"]
+    lines = ["usage: rlcli <command> [key=value ...] [-m] [--cfg job] [--config-dir DIR] [--help]",
+             "       rlcli --version", "", "commands:"]
     lines += [f"  {k:<8} {v}" for k, v in COMMANDS.items()]
     lines += ["", "Any config key can be overridden (algo.clip_high=0.28); groups are chosen with",
-              "group=option (algo=dapo hw=cpu_x2); `rlcli train --help` lists groups and knobs."]
+              "group=option (algo=dapo hw=cpu_x2); `rlcli train --help` lists groups and knobs.",
+              "--config-dir DIR adds your own group options (DIR/algo/my_algo.yaml -> algo=my_algo) and recipes",
+              "(DIR/recipe/<paper>/NN_<rung>.yaml) to the shipped ones; runs are written under ./runs/."]
     return "\n".join(lines)
 
 
@@ -178,6 +183,11 @@ def main(argv: list[str] | None = None) -> None:
     _environment()
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(_usage())
+        return
+    if argv[0] in ("-V", "--version"):
+        from importlib.metadata import version
+
+        print(f"rlcli {version('rlcli')}")
         return
     command, rest = argv[0], argv[1:]
     if command == "explain":

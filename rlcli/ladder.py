@@ -33,7 +33,7 @@ from typing import Any
 
 from rlcli.plot import Group, figure, find_runs, group_runs, mean, std
 
-RECIPES_DIR = Path(__file__).resolve().parent.parent / "conf" / "recipe"  # -> recipes/ (symlink)
+RECIPES_DIR = Path(__file__).resolve().parent / "conf" / "recipe"  # the shipped recipes/ (cli.CONF_DIR)
 RUNG_FILE = re.compile(r"^(\d+)_\w+\.yaml$")
 DEFAULTS_FILE = "ladder.yaml"
 META_FILE = "ladder.json"
@@ -123,10 +123,12 @@ def build_command(
     user_overrides: Sequence[str] = (),
     defaults: LadderDefaults | None = None,
     python: str = sys.executable,
+    config_dir: str | None = None,
 ) -> list[str]:
     """The one multirun: every rung x every seed. Order: recipe, seeds, ladder.yaml overrides, user
     overrides, sweep dir. The user's `seed=...` replaces the default seeds; a ladder.yaml override
-    whose key the user also sets is dropped."""
+    whose key the user also sets is dropped. `config_dir`: the user's config directory (Hydra's
+    --config-dir), which holds the rungs of a user's own ladder."""
     defaults = defaults or LadderDefaults()
     user = list(user_overrides)
     keys = {override_key(o) for o in user}
@@ -140,6 +142,8 @@ def build_command(
     cmd += [o for o in defaults.overrides if override_key(o) not in keys]
     cmd += user
     cmd.append("hydra.sweep.dir=" + _quote(str(Path(out).resolve())))
+    if config_dir:
+        cmd += ["--config-dir", str(Path(config_dir).resolve())]
     return cmd
 
 
@@ -320,6 +324,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--collect", metavar="DIR", help="only (re)collect the runs under DIR into tables and figure")
     p.add_argument("--no-defaults", action="store_true",
                    help="ignore recipes/<paper>/ladder.yaml's overrides (its CPU budget), e.g. on GPUs")
+    p.add_argument("--config-dir", metavar="DIR",
+                   help="your config directory: ladders in DIR/recipe/<paper>/NN_<rung>.yaml (a ladder.yaml "
+                   "optional), composed over the shipped groups like `rlcli train --config-dir DIR`")
     p.add_argument("--dry-run", action="store_true", help="print the multirun command and exit")
     return p
 
@@ -337,16 +344,19 @@ def main(argv: list[str]) -> int:
         out = Path(args.collect)
         _report(collect(out), out)
         return 0
+    user_dir = Path(args.config_dir) / "recipe" if args.config_dir else None
     if not args.paper:
-        print("ladders: " + ", ".join(ladders()) + "\nusage: rlcli ladder <paper> [overrides...]  (--help)")
+        found = sorted({*ladders(), *(ladders(user_dir) if user_dir and user_dir.is_dir() else [])})
+        print("ladders: " + ", ".join(found) + "\nusage: rlcli ladder <paper> [overrides...]  (--help)")
         return 0
+    recipes_dir = user_dir if user_dir and (user_dir / args.paper).is_dir() else RECIPES_DIR
     select = [int(i) for i in args.rungs.split(",")] if args.rungs else None
-    names = rungs(args.paper, select)
-    defaults = load_defaults(args.paper)
+    names = rungs(args.paper, select, recipes_dir)
+    defaults = load_defaults(args.paper, recipes_dir)
     if args.no_defaults:
         defaults.overrides = []
     out = Path(args.out or f"runs/ladder/{args.paper}/{datetime.now():%Y-%m-%d_%H-%M-%S}")
-    cmd = build_command(names, out, args.overrides, defaults)
+    cmd = build_command(names, out, args.overrides, defaults, config_dir=args.config_dir)
     argv_line = shlex.join(["rlcli", "ladder", *argv])
     if args.dry_run:
         print(shlex.join(cmd))
@@ -364,7 +374,7 @@ def main(argv: list[str]) -> int:
     (out / META_FILE).write_text(json.dumps(meta, indent=2))
     print(f"ladder wall time: {meta['wall_seconds']:.0f} s" + (f" (multirun exit code {code})" if code else ""))
     try:
-        rows = collect(out)
+        rows = collect(out, recipes_dir)
     except SystemExit as e:  # nothing ran at all
         raise SystemExit(f"the multirun failed (exit code {code}) before any run started: {e}") from e
     _report(rows, out)

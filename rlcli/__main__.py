@@ -1,0 +1,5 @@
+"""`python -m rlcli` is `rlcli`."""
+
+from rlcli.cli import main
+
+main()
