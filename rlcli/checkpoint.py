@@ -27,8 +27,12 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
+import shlex
 import shutil
 import signal
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,21 +41,25 @@ import torch
 
 LATEST = "latest"
 
-# Keys a resumed run may change: they do not change the math of the steps that follow (memory-only keys
-# may change the order of floating-point sums, so results then agree in distribution, not bit for bit).
-# Every other key must equal the checkpoint's. `steps` may grow to extend a run; a decaying LR schedule
-# (optim.scheduler=cosine|linear) then follows the new total.
-MAY_CHANGE = (
-    "steps", "run_dir", "resume", "save", "checkpoint.", "logger.", "eval.",
+# Keys a resumed run may change (exact keys, and groups by prefix); every other key must equal the
+# checkpoint's. They do not change the math of the steps that follow, with one exception: `steps` may grow
+# to extend a run, and what is scheduled over the run's length (a decaying optim.scheduler, the hybrid
+# estimator's α(t), V_aug's w(t)) then follows the new total. Memory-only keys and hw.shm_comm change the
+# order of floating-point sums, so results then agree in distribution, not bit for bit.
+MAY_CHANGE = frozenset({
+    "steps", "run_dir", "resume", "save", "data.report_bad_rows",
     "hw.micro_batch", "hw.max_tokens_per_micro_batch", "hw.num_threads", "hw.shm_comm", "hw.master_port",
     "hw.collective_timeout_s", "hw.shutdown_timeout_s", "rollout.gen_batch_size", "reward.num_workers",
-)
+})
+MAY_CHANGE_GROUPS = ("checkpoint.", "logger.", "eval.", "ladder.")
+STEP_DIR = re.compile(r"step_(\d+)")
 
 
 @dataclass
 class CheckpointConfig:
     every: int = 20
-    """Write a checkpoint every this many training steps (0 = only when stopped by SIGTERM/SIGINT). 20 suits
+    """Write a checkpoint every this many training steps and at the last one (0 = only when stopped by
+    SIGTERM/SIGINT). 20 suits
     models up to ~1B, whose checkpoint costs seconds; model=qwen2.5-32b sets 5 (README, "Checkpoints and resume")."""
     keep_last: int = 2
     """Checkpoints kept in run_dir/checkpoints; an older one is deleted only after a newer one is complete."""
@@ -67,15 +75,29 @@ def latest(run_dir: str) -> str | None:
     if not os.path.exists(pointer):
         return None
     with open(pointer) as f:
-        return os.path.join(root(run_dir), f.read().strip())
+        path = os.path.join(root(run_dir), f.read().strip())
+    return path if os.path.isdir(path) else None
+
+
+def done_steps(run_dir: str) -> list[int]:
+    """Steps of the complete checkpoints in run_dir (their directories step_N), ascending."""
+    names = os.listdir(root(run_dir)) if os.path.isdir(root(run_dir)) else []
+    return sorted(int(m.group(1)) for n in names if (m := STEP_DIR.fullmatch(n)))
 
 
 def resolve(resume: str | None, run_dir: str) -> str | None:
-    """The checkpoint directory `resume=` names: auto -> run_dir's latest (None: start fresh); a
-    checkpoint directory; or a run directory (its latest)."""
+    """The checkpoint directory `resume=` names: auto -> run_dir's latest, else the checkpoint the run
+    itself was resumed from (its config.yaml says), else None (start fresh); a checkpoint directory; or a
+    run directory (its latest)."""
     if resume is None:
         return None
     if resume == "auto":
+        frozen = os.path.join(run_dir, "config.yaml")
+        if latest(run_dir) is None and os.path.exists(frozen):  # a branch killed before its first save
+            from omegaconf import OmegaConf
+
+            origin = OmegaConf.load(frozen).get("resume")
+            return origin if origin and os.path.exists(os.path.join(origin, "meta.json")) else None
         return latest(run_dir)
     path = os.path.abspath(resume)
     if os.path.exists(os.path.join(path, "meta.json")):
@@ -107,14 +129,14 @@ def check_compatible(path: str, cfg: Any) -> None:
     now = flatten(OmegaConf.to_container(cfg, resolve=True))
     differ = sorted(
         k for k in saved.keys() | now.keys()
-        if saved.get(k) != now.get(k) and not k.startswith(MAY_CHANGE) and k not in MAY_CHANGE
+        if saved.get(k) != now.get(k) and k not in MAY_CHANGE and not k.startswith(MAY_CHANGE_GROUPS)
     )
     if differ:
         shown = ", ".join(f"{k} ({saved.get(k)!r} in the checkpoint, {now.get(k)!r} now)" for k in differ)
         raise ValueError(
             f"resume={path} was written by a run with a different config: {shown}. These keys change the math of "
             "the steps that follow: set them back to the checkpoint's values, or start a new run. Keys that may "
-            f"change on resume: {', '.join(MAY_CHANGE)}"
+            f"change on resume: {', '.join(sorted(MAY_CHANGE))}, {', '.join(g + '*' for g in MAY_CHANGE_GROUPS)}"
         )
     step = read_meta(path)["step"]
     if cfg.steps < step:
@@ -142,7 +164,8 @@ def staging(run_dir: str, step: int, rank: int, barrier: Any) -> str:
 
 def commit(run_dir: str, step: int, keep_last: int, rank: int, barrier: Any) -> str:
     """Publish the staged checkpoint once every rank has written its part: rename it to step_N, point
-    `latest` at it, then delete checkpoints beyond the newest `keep_last`. All ranks call it."""
+    `latest` at it, then delete checkpoints beyond the newest `keep_last` up to step N, and any of a later
+    step (left by the run this one resumed from an earlier checkpoint of). All ranks call it."""
     os.sync()  # every rank's files are on disk before the rename makes them a checkpoint
     barrier()
     final = os.path.join(root(run_dir), f"step_{step}")
@@ -156,8 +179,9 @@ def commit(run_dir: str, step: int, keep_last: int, rank: int, barrier: Any) -> 
             f.flush()
             os.fsync(f.fileno())
         os.replace(pointer + ".tmp", pointer)
-        done = sorted((int(n[5:]) for n in os.listdir(root(run_dir)) if n.startswith("step_")), reverse=True)
-        for old in done[keep_last:]:
+        done = done_steps(run_dir)
+        keep = [s for s in done if s <= step][-keep_last:]
+        for old in set(done) - set(keep):
             shutil.rmtree(os.path.join(root(run_dir), f"step_{old}"), ignore_errors=True)
     barrier()
     return final
@@ -166,7 +190,7 @@ def commit(run_dir: str, step: int, keep_last: int, rank: int, barrier: Any) -> 
 def rng_state() -> dict[str, Any]:
     return {
         "python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,  # this rank's device
     }
 
 
@@ -175,7 +199,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if state["cuda"] is not None:
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def resume_command(run_dir: str) -> str:
@@ -186,7 +210,11 @@ def resume_command(run_dir: str) -> str:
     overrides_file = os.path.join(run_dir, ".hydra", "overrides.yaml")
     given = list(OmegaConf.load(overrides_file)) if os.path.exists(overrides_file) else []
     kept = [o for o in given if not o.startswith(("resume=", "hydra.run.dir=", "hydra.sweep.dir="))]
-    return " ".join(["rlcli train", *kept, f"hydra.run.dir={run_dir}", "resume=auto"])
+    return shlex.join(["rlcli", "train", *kept, f"hydra.run.dir={run_dir}", "resume=auto"])
+
+
+def to_stderr(msg: str) -> None:
+    os.write(sys.stderr.fileno(), (msg + "\n").encode())
 
 
 class Stopped(SystemExit):
@@ -194,16 +222,17 @@ class Stopped(SystemExit):
 
 
 class StopSignals:
-    """While active, the first SIGTERM or SIGINT only raises a flag: the loop finishes its step, writes a
-    checkpoint and exits (Slurm preemption sends SIGTERM). A second SIGINT aborts at once."""
+    """While active, the first SIGTERM, SIGINT or SIGHUP only raises a flag: the loop finishes its step, writes a
+    checkpoint and exits (Slurm preemption sends SIGTERM). A second SIGINT aborts at once. The announcement
+    goes straight to stderr's file descriptor: a signal can arrive in the middle of another print."""
 
-    def __init__(self, announce: Any = print):
+    def __init__(self, announce: Callable[[str], Any] | None = to_stderr):
         self.signum = 0
         self.announce = announce
         self.previous: dict[int, Any] = {}
 
     def __enter__(self) -> StopSignals:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # SIGHUP: the terminal went away
             self.previous[sig] = signal.signal(sig, self.handle)
         return self
 
@@ -216,5 +245,6 @@ class StopSignals:
             raise KeyboardInterrupt
         if not self.signum:
             self.signum = signum
-            self.announce(f"received {signal.Signals(signum).name}: finishing this step, then writing a checkpoint "
-                          "(press Ctrl-C again to abort at once)")
+            if self.announce is not None:
+                self.announce(f"received {signal.Signals(signum).name}: finishing this step, then writing a checkpoint "
+                              "(press Ctrl-C again to abort at once)")

@@ -81,6 +81,9 @@ def train_job(cfg: Any) -> dict[str, Any] | None:
     resume = checkpoint.resolve(cfg.resume, cfg.run_dir)
     if resume is not None:
         checkpoint.check_compatible(resume, cfg)
+    elif cfg.resume is None and checkpoint.latest(cfg.run_dir) is not None:
+        raise SystemExit(f"{cfg.run_dir} holds checkpoints of an earlier run: pass resume=auto to continue it, "
+                         "or choose another hydra.run.dir for a new run")
     elif cfg.resume == "auto":
         print(f"resume=auto: no checkpoint in {checkpoint.root(cfg.run_dir)} yet, starting fresh", flush=True)
     with open_dict(cfg):
@@ -94,8 +97,10 @@ def train_job(cfg: Any) -> dict[str, Any] | None:
 
 
 def launch(frozen_config: str, hw: Any) -> None:
-    """Run `hw.nproc` workers under torchrun. SIGTERM/SIGINT reach the workers once, through torchrun,
-    which gives them hw.shutdown_timeout_s to checkpoint; a second SIGINT kills them at once."""
+    """Run `hw.nproc` workers under torchrun. The first SIGTERM/SIGINT/SIGHUP reaches the workers once,
+    through torchrun, which gives them hw.shutdown_timeout_s to checkpoint; later ones are not passed on
+    (a second signal would cut torchrun's wait short), except that a second SIGINT kills them all at once.
+    If this process dies, torchrun gets SIGTERM (Linux), so no worker outlives it."""
     import contextlib
     import signal
 
@@ -111,7 +116,7 @@ def launch(frozen_config: str, hw: Any) -> None:
     print("launching:", " ".join(cmd), flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     # Own session: a terminal's Ctrl-C reaches this process only, and is forwarded exactly once.
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
     received: list[int] = []
 
     def forward(signum: int, frame: Any) -> None:
@@ -119,19 +124,30 @@ def launch(frozen_config: str, hw: Any) -> None:
             with contextlib.suppress(psutil.NoSuchProcess):
                 for p in [*psutil.Process(proc.pid).children(recursive=True), proc]:
                     p.kill()
-            return
+        if not received:
+            proc.send_signal(signum)
         received.append(signum)
-        proc.send_signal(signum)
 
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     try:
         code = proc.wait()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if received:
+        print(f"workers stopped by {signal.Signals(received[0]).name}; see the log above", file=sys.stderr)
+        raise SystemExit(128 + received[0])
     if code:
-        why = f"stopped by {signal.Signals(received[0]).name}" if received else f"failed with exit code {code}"
-        raise SystemExit(f"workers {why}; see the log above")
+        raise SystemExit(f"workers failed with exit code {code}; see the log above")
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: ask Linux to send it SIGTERM when its parent dies (prctl PR_SET_PDEATHSIG)."""
+    if sys.platform == "linux":
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)
 
 
 def sft_job(cfg: Any) -> None:

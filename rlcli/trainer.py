@@ -133,7 +133,7 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         cfg, result = self.cfg, self.result
         self.print(startup_summary(self))
-        with ckpt.StopSignals(self.print) as signals:
+        with ckpt.StopSignals(announce=ckpt.to_stderr if self.main else None) as signals:
             t_start = time.perf_counter()
             if self.start_step:
                 self.print(f"resumed from {self.resumed_from}: {self.start_step} of {cfg.steps} steps done")
@@ -151,7 +151,8 @@ class Trainer:
                 try:
                     metrics = self.train_step(step)
                 except Exception as e:  # e.g. a collective timed out: say which rank was where
-                    e.add_note(f"rank {self.rank} of {self.world}: training step {step}, stage {self.timer.stage}")
+                    e.add_note(f"rank {self.rank} of {self.world}: training step {step}, in or after stage "
+                               f"{self.timer.stage}")
                     raise
                 if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.steps:
                     metrics.update(self.evaluate())
@@ -160,7 +161,8 @@ class Trainer:
                 if self.main and step % cfg.logger.log_every == 0:
                     tqdm.write(self.logger.headline(metrics, step))
                 signum = int(all_reduce(torch.tensor(signals.signum), "max").item())  # any rank signalled
-                if signum or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
+                every = cfg.checkpoint.every
+                if signum or (every and (step % every == 0 or step == cfg.steps)):
                     path = self.save_checkpoint(step, self.train_seconds + time.perf_counter() - t_start)
                 if signum:
                     self.stop(signum, step, path)
@@ -208,7 +210,8 @@ class Trainer:
             self.logger.snapshot(os.path.join(tmp, "metrics.jsonl"))
             OmegaConf.save(cfg, os.path.join(tmp, "config.yaml"), resolve=True)
             with open(os.path.join(tmp, "meta.json"), "w") as f:
-                json.dump({"step": step, "world_size": self.world, "wandb_id": self.logger.wandb_id}, f, indent=2)
+                json.dump({"step": step, "world_size": self.world, "run_dir": cfg.run_dir,
+                           "wandb_id": self.logger.wandb_id}, f, indent=2)
         path = ckpt.commit(cfg.run_dir, step, cfg.checkpoint.keep_last, self.rank, barrier)
         self.print(f"checkpoint {path} ({time.perf_counter() - t0:.1f} s)")
         return path
@@ -224,14 +227,16 @@ class Trainer:
             self.critic.load(path, "critic")
         if os.path.exists(v_file := os.path.join(path, "v_pretrained.pt")):
             self.v_pretrained = eng.frozen_copy(self.critic.module)
-            self.v_pretrained.load_state_dict(torch.load(v_file))
+            self.v_pretrained.load_state_dict(torch.load(v_file, map_location=self.device))
         state = torch.load(os.path.join(path, f"rank_{self.rank}.pt"), weights_only=False)
         self.train_prompts.load_state_dict(state["prompts"])
         self.sampler.carry = state["carry"]
         self.next_group, self.kl_ctl.value = state["next_group"], state["kl_coef"]
         self.start_step, self.result, self.train_seconds = meta["step"], state["result"], state["train_seconds"]
         ckpt.set_rng_state(state["rng"])  # last: building the trainer drew from the RNGs too
-        return meta
+        self.actor.train()  # the mode the last update left it in
+        # The same run continues its wandb run; a branch into another run directory starts a new one.
+        return meta if meta["run_dir"] == self.cfg.run_dir else {**meta, "wandb_id": None}
 
     def stop(self, signum: int, step: int, path: str) -> None:
         """Exit after the checkpoint a SIGTERM/SIGINT asked for, saying how to continue."""

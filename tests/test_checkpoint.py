@@ -39,6 +39,22 @@ def test_commit_is_atomic_and_keeps_the_newest(tmp_path):
     assert ckpt.resolve(run, "/elsewhere") == str(tmp_path / "checkpoints" / "step_3")  # a run directory
     ckpt.staging(run, 5, 0, lambda: None)
     assert not (tmp_path / "checkpoints" / ".step_4.tmp").exists()
+    (tmp_path / "checkpoints" / "step_3.bak").mkdir()  # not a checkpoint: never parsed, never deleted
+    # Resumed from an earlier checkpoint into the same directory: the new step is kept, later ones go.
+    ckpt.staging(run, 1, 0, lambda: None)
+    ckpt.commit(run, 1, keep_last=2, rank=0, barrier=lambda: None)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step_1", "step_3.bak"]
+    assert ckpt.latest(run) == str(tmp_path / "checkpoints" / "step_1")
+
+
+def test_resume_auto_of_a_branch_killed_before_its_first_save_goes_back_to_its_origin(tmp_path):
+    origin = tmp_path / "a" / "checkpoints" / "step_4"
+    origin.mkdir(parents=True)
+    (origin / "meta.json").write_text("{}")
+    branch = tmp_path / "b"
+    branch.mkdir()
+    (branch / "config.yaml").write_text(f"resume: {origin}\n")
+    assert ckpt.resolve("auto", str(branch)) == str(origin)
 
 
 def test_resolve_auto_without_a_checkpoint_starts_fresh_and_a_bad_path_fails(tmp_path):
@@ -88,6 +104,15 @@ def test_first_signal_raises_a_flag_and_a_second_ctrl_c_aborts():
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(1)
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_fresh_run_refuses_a_run_dir_that_holds_checkpoints(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_2").mkdir(parents=True)
+    (run / "checkpoints" / "latest").write_text("step_2\n")
+    out = subprocess.run([sys.executable, "-m", "rlcli.cli", "train", f"hydra.run.dir={run}"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "pass resume=auto to continue it" in out.stderr, out.stderr[-2000:]
 
 
 def test_prompt_stream_continues_from_its_state():
@@ -224,7 +249,7 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_usable(tmp_path, ca
     assert ckpt.latest(str(run)) == str(run / "checkpoints" / "step_2")
     train(tmp_path, cache, *args, "checkpoint.every=2", f"hydra.run.dir={run}", "resume=auto")
     assert stable(rows(run)) == stable(rows(straight))
-    assert sorted(os.listdir(run / "checkpoints")) == ["latest", "step_2", "step_4"]
+    assert sorted(os.listdir(run / "checkpoints")) == ["latest", "step_4", "step_5"]  # every 2 and the last
 
 
 @pytest.mark.slow
@@ -235,7 +260,7 @@ def test_sigterm_finishes_the_step_writes_a_checkpoint_and_says_how_to_resume(tm
     wait_for(logged_step(run, 1), proc)
     os.kill(proc.pid, signal.SIGTERM)  # as Slurm's preemption: the launching process gets it
     code, out = finish(proc, timeout=300)
-    assert code != 0, out[-4000:]
+    assert code == 128 + signal.SIGTERM, out[-4000:]
     latest = ckpt.latest(str(run))
     assert latest is not None, out[-4000:]
     step = ckpt.read_meta(latest)["step"]
@@ -277,7 +302,8 @@ def test_a_stuck_rank_becomes_an_error_naming_rank_step_and_stage(tmp_path, cach
     next(p for p in workers if p.environ().get("RANK") == "1").suspend()
     code, out = finish(proc, timeout=180)
     assert code != 0 and time.time() - t0 < 90, out[-4000:]
-    assert re.search(r"rank 0 of 2: training step \d+, stage \w+", out), out[-4000:]
+    assert re.search(r"rank 0 of 2: training step \d+, in or after stage (rollout|reward|shape|score|advantage|update)",
+                     out), out[-4000:]
 
 
 @pytest.mark.slow

@@ -76,9 +76,12 @@ class PromptStream:
 
     def state_dict(self) -> dict[str, Any]:
         """The stream's position: epoch, the rest of this epoch's order, the shuffling RNG."""
-        return {"epoch": self.epoch, "order": list(self.order), "rng": self.rng.getstate()}
+        return {"epoch": self.epoch, "order": list(self.order), "rng": self.rng.getstate(), "size": len(self.examples)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["size"] != len(self.examples):
+            raise ValueError(f"the checkpoint's prompt stream walked {state['size']} training prompts, this run "
+                             f"loaded {len(self.examples)}: resume with the same data")
         self.epoch, self.order = state["epoch"], list(state["order"])
         self.rng.setstate(state["rng"])
 

@@ -219,9 +219,9 @@ def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
-    """The module's whole state dict on rank 0's CPU (None on other ranks). Under ZeRO-3 every rank holds
-    a partition of each parameter, so parameters are gathered one at a time (peak: one tensor). All
-    ranks call it."""
+    """The module's whole state dict on rank 0 (None on other ranks). Under ZeRO-3 every rank holds a
+    partition of each parameter, so parameters are gathered one at a time to rank 0's CPU (peak: one
+    tensor). All ranks call it."""
     import deepspeed
 
     if not any(hasattr(p, "ds_id") for p in module.parameters()):  # not partitioned (ZeRO 0-2)
@@ -232,7 +232,8 @@ def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
             if out is not None:
                 out[name] = p.detach().cpu().clone()
     if out is not None:
-        out.update({n: b.detach().cpu() for n, b in module.named_buffers() if n in module.state_dict()})
+        persistent = module.state_dict().keys()
+        out.update({n: b.detach().cpu() for n, b in module.named_buffers() if n in persistent})
     return out
 
 
