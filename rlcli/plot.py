@@ -91,7 +91,8 @@ def load_run(path: Path) -> Run:
 
 
 def find_runs(paths: list[str | Path]) -> list[Run]:
-    """Every run directory at or under `paths`, in path order; fails if there is none."""
+    """Every run directory at or under `paths`, in path order; fails if there is none. A run's
+    checkpoints (run/checkpoints/step_N/config.yaml) and Hydra's .hydra/ are not runs."""
     dirs: list[Path] = []
     for p in map(Path, paths):
         if not p.exists():
@@ -99,7 +100,8 @@ def find_runs(paths: list[str | Path]) -> list[Run]:
         if (p / "config.yaml").exists():
             dirs.append(p)
         else:
-            dirs += sorted(c.parent for c in p.rglob("config.yaml") if ".hydra" not in c.parts)
+            dirs += sorted(c.parent for c in p.rglob("config.yaml")
+                           if not {".hydra", "checkpoints"} & set(c.relative_to(p).parts))
     dirs = sorted(set(dirs), key=lambda d: str(d))
     if not dirs:
         raise SystemExit(f"no run directories (holding config.yaml) under: {' '.join(map(str, paths))}")
