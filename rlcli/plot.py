@@ -24,10 +24,15 @@ from rlcli.metrics import read_jsonl
 
 # Panels always drawn, then the critic panels when any run logged them (PPO, VAPO).
 PANELS = {
+    "reward/mean": "reward (reward/mean)",
     "acc/mean": "training accuracy (acc/mean)",
     "actor/entropy": "entropy (actor/entropy)",
     "response_length/mean": "response length, tokens (response_length/mean)",
 }
+# Held-out accuracy during training, drawn when runs evaluated periodically (eval.every): one curve of the
+# accuracy before training (step 0), every eval.every steps, and after training (last step), unsmoothed.
+HELD_OUT = ("eval/acc_before", "eval/acc", "eval/acc_after")
+HELD_OUT_PANEL = {"eval/acc": "held-out accuracy, greedy (eval/acc)"}
 CRITIC_PANELS = {
     "critic/explained_var": "critic explained variance",
     "critic/vf_loss": "critic value loss (critic/vf_loss)",
@@ -54,8 +59,10 @@ class Run:
         return self.config.get("seed")
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
-        """(steps, values) of a metric over training; rows without it (eval rows) are skipped."""
-        rows = [(int(r["step"]), float(r[key])) for r in self.metrics if key in r]
+        """(steps, values) of a metric over training; rows without it (eval rows) are skipped. "eval/acc"
+        joins the accuracy before, during and after training (HELD_OUT)."""
+        keys = HELD_OUT if key == "eval/acc" else (key,)
+        rows = [(int(r["step"]), float(r[k])) for r in self.metrics for k in keys if k in r]
         return [s for s, _ in rows], [v for _, v in rows]
 
 
@@ -180,6 +187,8 @@ def figure(groups: list[Group], out: str | Path, title: str | None = None) -> Pa
     from matplotlib.lines import Line2D
 
     panels = dict(PANELS)
+    if any("eval/acc" in row for g in groups for r in g.runs for row in r.metrics):
+        panels.update(HELD_OUT_PANEL)
     panels.update({k: t for k, t in CRITIC_PANELS.items() if any(r.series(k)[0] for g in groups for r in g.runs)})
     with_eval = any(r.result for g in groups for r in g.runs)
     n = len(panels) + with_eval
@@ -194,7 +203,7 @@ def figure(groups: list[Group], out: str | Path, title: str | None = None) -> Pa
             steps, m, s = seed_curve(g, key)
             if not steps:
                 continue
-            w = max(1, round(len(steps) / 10))
+            w = 1 if key in HELD_OUT_PANEL else max(1, round(len(steps) / 10))
             m, s = smooth(m, w), smooth(s, w)
             ax.plot(steps, m, color=colors(i % 10), label=g.label, lw=1.6)
             if len(g.runs) > 1:
@@ -249,8 +258,9 @@ def figure(groups: list[Group], out: str | Path, title: str | None = None) -> Pa
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="rlcli plot",
-        description="Training curves (accuracy, entropy, response length; critic panels when logged) "
-        "of run directories or sweep directories; seeds of the same config are averaged.",
+        description="Training curves (reward, accuracy, entropy, response length; held-out accuracy when runs "
+        "evaluated every eval.every steps; critic panels when logged) of run directories or sweep directories; "
+        "seeds of the same config are averaged.",
     )
     p.add_argument("paths", nargs="+", help="run directories (holding config.yaml) or directories above them")
     p.add_argument("--out", default="figure.png", help="output PNG (default: figure.png)")
