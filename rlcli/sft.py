@@ -19,7 +19,7 @@ the default uses it: with exact demonstrations the tiny model's errors are capab
 (misread digits) that 60 RL steps do not fix, while a forgotten carry is a systematic error a
 verifier-trained policy can unlearn. Without the slip, 1-2-digit problems start at 87% greedy (too
 close to the ceiling); with it, every 2-digit problem with a carry fails under greedy decoding
-until RL raises the carry above 50%. README.md "What we measured about learning" has the RL runs.
+until RL raises the carry above 50%. docs/experiments/2026-11-22-default-task.md has the RL runs.
 
 Earlier calibration on 1-3-digit additions with exact demonstrations (`carry_slip=0`), seed 0, 2
 threads of the 2-core machine shared with other jobs (load 3-6, so wall times are 2-4x the idle

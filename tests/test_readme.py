@@ -1,0 +1,35 @@
+"""The README is the user's manual: its commands table matches `rlcli --help`, its links and figure
+resolve, and its text speaks of the project, not of how it was built."""
+
+import re
+
+from conftest import ROOT
+
+from rlcli.cli import COMMANDS, _usage
+
+README = (ROOT / "README.md").read_text()
+
+
+def test_commands_table_lists_exactly_the_commands_of_rlcli_help():
+    table = README[README.index("## Commands"):]
+    table = table[: table.index("\n## ")]
+    in_readme = set(re.findall(r"^\| `rlcli ([a-z]+)", table, re.M))
+    in_help = set(re.findall(r"^  ([a-z]+) ", _usage(), re.M))
+    assert in_help == set(COMMANDS)
+    assert in_readme == in_help, (in_readme ^ in_help)
+
+
+def test_every_relative_link_and_image_resolves():
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", README)
+    local = [link for link in links if not re.match(r"[a-z]+://", link)]
+    assert "docs/figures/default_run.png" in local
+    missing = [link for link in local if not (ROOT / link).exists()]
+    assert not missing, missing
+
+
+def test_no_process_words_in_the_user_facing_text():
+    pages = [ROOT / "README.md", *(ROOT / "docs" / "experiments").glob("*.md")]
+    process = re.compile(r"\bsessions?\b|\bissues?\b|#\d+\b", re.I)
+    hits = [f"{p.name}:{i}: {line.strip()}" for p in pages
+            for i, line in enumerate(p.read_text().splitlines(), 1) if process.search(line)]
+    assert not hits, "\n".join(hits)
