@@ -269,20 +269,25 @@ def test_sigterm_finishes_the_step_writes_a_checkpoint_and_says_how_to_resume(tm
     assert max(r["step"] for r in rows(run)) == step  # nothing logged after the checkpoint
 
 
-@pytest.mark.slow
-def test_killing_one_of_two_ranks_stops_the_other_with_an_error(tmp_path, cache):
-    """SIGKILL rank 1 during training: the run exits with an error within the timeouts (30 s each) and
-    no worker is left behind."""
+def two_rank_run(tmp_path, cache, collective_timeout_s, shutdown_timeout_s):
+    """A long hw=cpu_x2 run, once it has logged step 1. -> (the launcher process, its two workers by rank)"""
     run = tmp_path / "run"
-    proc = start(tmp_path, cache, "steps=200", "hw=cpu_x2", "hw.collective_timeout_s=30", "hw.shutdown_timeout_s=30",
-                 f"hydra.run.dir={run}", *FAST)
+    proc = start(tmp_path, cache, "steps=200", "hw=cpu_x2", f"hw.collective_timeout_s={collective_timeout_s}",
+                 f"hw.shutdown_timeout_s={shutdown_timeout_s}", f"hydra.run.dir={run}", *FAST)
     wait_for(logged_step(run, 1), proc)
     workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
                if "rlcli.worker" in p.cmdline() and "torch.distributed.run" not in p.cmdline()]
     assert len(workers) == 2
-    rank1 = next(p for p in workers if p.environ().get("RANK") == "1")
+    return proc, sorted(workers, key=lambda p: p.environ()["RANK"])
+
+
+@pytest.mark.slow
+def test_killing_one_of_two_ranks_stops_the_other_with_an_error(tmp_path, cache):
+    """SIGKILL rank 1 during training: the run exits with an error within the timeouts (30 s each) and
+    no worker is left behind."""
+    proc, workers = two_rank_run(tmp_path, cache, 30, 30)
     t0 = time.time()
-    rank1.kill()
+    workers[1].kill()
     code, out = finish(proc, timeout=180)
     assert code != 0 and time.time() - t0 < 90, out[-4000:]
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in workers)
@@ -292,14 +297,9 @@ def test_killing_one_of_two_ranks_stops_the_other_with_an_error(tmp_path, cache)
 def test_a_stuck_rank_becomes_an_error_naming_rank_step_and_stage(tmp_path, cache):
     """SIGSTOP rank 1 (alive, never reaching its next collective): rank 0's collective fails after
     hw.collective_timeout_s with an error that names the rank, the step and the stage, and the run exits."""
-    run = tmp_path / "run"
-    proc = start(tmp_path, cache, "steps=200", "hw=cpu_x2", "hw.collective_timeout_s=15", "hw.shutdown_timeout_s=5",
-                 f"hydra.run.dir={run}", *FAST)
-    wait_for(logged_step(run, 1), proc)
-    workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
-               if "rlcli.worker" in p.cmdline() and "torch.distributed.run" not in p.cmdline()]
+    proc, workers = two_rank_run(tmp_path, cache, 15, 5)
     t0 = time.time()
-    next(p for p in workers if p.environ().get("RANK") == "1").suspend()
+    workers[1].suspend()
     code, out = finish(proc, timeout=180)
     assert code != 0 and time.time() - t0 < 90, out[-4000:]
     assert re.search(r"rank 0 of 2: training step \d+, in or after stage (rollout|reward|shape|score|advantage|update)",
