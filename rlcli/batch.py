@@ -79,6 +79,18 @@ class RolloutBatch:
                 out[f.name] = v
         return replace(self, **out)
 
+    def trimmed(self) -> RolloutBatch:
+        """The same rows without the columns that are padding in every row (leading prompt columns,
+        trailing response columns): [n, Tp] -> [n, Tp'], [n, T] -> [n, T']. Position ids count real
+        tokens only (rlcli.models.joint_inputs), so no output on a real token changes."""
+        tp = max(int(self.prompt_mask.sum(-1).max()), 1) if len(self) else 1
+        t = max(int(self.response_mask.sum(-1).max()), 1) if len(self) else 1
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name, v in out.items():
+            if isinstance(v, Tensor) and v.dim() == 2:
+                out[name] = v[:, -tp:] if name.startswith("prompt") else v[:, :t]
+        return replace(self, **out)
+
     def select_groups(self, group_ids: Tensor) -> RolloutBatch:
         keep = torch.isin(self.group_index, group_ids)
         return self.select(keep.nonzero().squeeze(-1))

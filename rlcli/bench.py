@@ -1,16 +1,47 @@
-"""`make bench`: speed and memory of the training step on this machine, printed as a table.
+"""`make bench`: speed and memory of the training step on this machine, printed as tables.
 
-Runs the real trainer (tiny model, default GRPO, hw=cpu) for a few steps after one warm-up step and
-reports the median seconds per stage, generated tokens per second, reward-verifier throughput and
-peak memory. Extra arguments are Hydra overrides, e.g. `make bench ARGS="algo=vapo hw.num_threads=1"`.
+1. Runs the real trainer (tiny model, default GRPO, hw=cpu) for a few steps after one warm-up step and
+   reports the median seconds per stage, generated tokens per second, reward-verifier throughput and
+   peak memory. Extra arguments are Hydra overrides, e.g. `make bench ARGS="algo=vapo hw.num_threads=1"`.
+2. Measures the peak memory of one log-prob + entropy scoring pass at Qwen2.5's vocabulary (152,064)
+   for each `hw.logits_chunk`, each in a fresh process (peak RSS above the process's RSS after the
+   model is built): the whole-sequence pass holds fp32 [rows, prompt+response, vocab] logits.
 """
 
 from __future__ import annotations
 
+import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+
+SCORING_SHAPE = {"rows": 1, "prompt": 64, "response": 2048, "vocab": 152064, "hidden": 256}
+SCORING_CHUNKS = (0, 1024, 256)  # 256 is hw.logits_chunk's default
+
+
+def scoring_pass(chunk: int) -> None:
+    """One no-grad log-prob + entropy pass of a 1-layer Llama at SCORING_SHAPE; prints peak RSS growth
+    (GiB) and seconds. Run in a fresh process per chunk."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rlcli.models import response_logprobs
+
+    s = SCORING_SHAPE
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=4 * s["hidden"],
+                                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4)).eval()
+    prompt = torch.randint(0, s["vocab"], (s["rows"], s["prompt"]))
+    response = torch.randint(0, s["vocab"], (s["rows"], s["response"]))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        response_logprobs(model, prompt, torch.ones_like(prompt), response, torch.ones_like(response), 1.0,
+                          with_entropy=True, chunk=chunk)
+    seconds = time.perf_counter() - t0
+    print(f"{(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 2**20:.3f} {seconds:.2f}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -57,7 +88,23 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'trajectories/s (whole step)':<32}{p * g / med('timing_s/step'):>20.1f}")
     print(f"{'verifier responses/s (256)':<32}{verifier:>20.1f}")
     print(f"{'peak memory GiB (this process)':<32}{max(r['perf/peak_mem_gb'] for r in rows):>20.2f}")
+    scoring_memory()
+
+
+def scoring_memory() -> None:
+    s = SCORING_SHAPE
+    full_gib = s["rows"] * (s["prompt"] + s["response"]) * s["vocab"] * 4 / 2**30
+    print(f"\nscoring pass (log-probs + entropy, no grad): {s['rows']} row x ({s['prompt']} prompt + {s['response']} "
+          f"response) tokens, vocabulary {s['vocab']}; one fp32 [rows, prompt+response, vocab] tensor = {full_gib:.2f} GiB")
+    print(f"{'hw.logits_chunk':<20}{'peak RSS growth GiB':>22}{'seconds':>10}")
+    for chunk in SCORING_CHUNKS:
+        out = subprocess.run([sys.executable, "-m", "rlcli.bench", "--scoring-pass", str(chunk)],
+                             capture_output=True, text=True, check=True).stdout.split()
+        print(f"{chunk if chunk else '0 (whole sequence)':<20}{float(out[-2]):>22.2f}{float(out[-1]):>10.2f}")
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--scoring-pass"]:
+        scoring_pass(int(sys.argv[2]))
+    else:
+        main()

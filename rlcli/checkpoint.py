@@ -48,7 +48,7 @@ LATEST = "latest"
 # order of floating-point sums, so results then agree in distribution, not bit for bit.
 MAY_CHANGE = frozenset({
     "steps", "run_dir", "resume", "save", "data.report_bad_rows",
-    "hw.micro_batch", "hw.max_tokens_per_micro_batch", "hw.num_threads", "hw.shm_comm", "hw.master_port",
+    "hw.micro_batch", "hw.max_tokens_per_micro_batch", "hw.logits_chunk", "hw.num_threads", "hw.shm_comm", "hw.master_port",
     "hw.collective_timeout_s", "hw.shutdown_timeout_s", "rollout.gen_batch_size", "reward.num_workers",
 })
 MAY_CHANGE_GROUPS = ("checkpoint.", "logger.", "eval.", "ladder.")

@@ -111,6 +111,10 @@ class HWConfig:
     """Memory only: trajectories per forward/backward micro-batch."""
     max_tokens_per_micro_batch: int | None = None
     """Memory only: also cap prompt+response tokens per micro-batch (null = no cap)."""
+    logits_chunk: int = 256
+    """Memory only: response positions per chunk of the vocabulary projection in the log-prob and entropy
+    passes, recomputed in backward; the fp32 logits alive at once are [rows, chunk, vocab] (0 = the whole
+    sequence at once: [rows, prompt+response, vocab])."""
     num_threads: int | None = None
     """torch intra-op threads per process (null = torch default)."""
     shm_comm: bool = False
@@ -265,6 +269,7 @@ def validate(cfg: DictConfig | Any) -> None:
         ("rollout.n", r.n, 1),
         ("rollout.max_new_tokens", r.max_new_tokens, 1),
         ("hw.micro_batch", hw.micro_batch, 1),
+        ("hw.logits_chunk", hw.logits_chunk, 0),
         ("steps", cfg.steps, 0),
         ("checkpoint.every", cfg.checkpoint.every, 0),
         ("checkpoint.keep_last", cfg.checkpoint.keep_last, 1),

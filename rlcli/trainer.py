@@ -366,17 +366,20 @@ class Trainer:
 
     # ------------------------------------------------------------------ stage 4
     def per_token(self, fn: Any, b: RolloutBatch) -> Tensor:
-        """fn(prompt_ids, prompt_mask, response_ids, response_mask) -> [n, T] over micro-batches of
-        `b`, without grad, zero on padding. -> [N, T]"""
-        out = []
+        """fn(prompt_ids, prompt_mask, response_ids, response_mask) -> [n, T'] over the (trimmed)
+        micro-batches of `b`, without grad, zero on padding. -> [N, T]"""
+        out = torch.zeros(b.response_mask.shape)  # [N, T]
         with torch.no_grad():
-            for idx in self.micro_batches(b, torch.arange(len(b))):
-                out.append(fn(b.prompt_ids[idx], b.prompt_mask[idx], b.response_ids[idx], b.response_mask[idx]).cpu())
-        return torch.cat(out) * b.response_mask
+            for idx in self.micro_batches(b):
+                mb = b.select(idx).trimmed()
+                v = fn(mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask).cpu()  # [n, T']
+                out[idx, : v.shape[1]] = v
+        return out * b.response_mask
 
     def logprobs(self, model: torch.nn.Module, b: RolloutBatch) -> Tensor:
         """Log-probs of `b`'s responses under `model` (temperature-scaled). -> [N, T]"""
-        return self.per_token(lambda *x: response_logprobs(model, *x, self.cfg.rollout.temperature)[0], b)
+        chunk = self.cfg.hw.logits_chunk
+        return self.per_token(lambda *x: response_logprobs(model, *x, self.cfg.rollout.temperature, chunk=chunk)[0], b)
 
     def values(self, critic: torch.nn.Module, b: RolloutBatch) -> Tensor:
         """Critic values at `b`'s response positions. -> [N, T]"""
@@ -466,7 +469,7 @@ class Trainer:
         gen = torch.Generator().manual_seed(self.cfg.seed * 7919 + self.actor.ds.global_steps)
         groups = batch.groups
         sums: dict[str, float] = defaultdict(float)
-        n_updates = 0
+        n_updates, slots, real = 0, 0, 0.0  # token slots of the micro-batches, and real tokens among them
         self.actor.train()
         for _ in range(a.ppo_epochs):
             order = groups[torch.randperm(len(groups), generator=gen)] if a.mini_batches > 1 else groups
@@ -477,10 +480,12 @@ class Trainer:
                     continue
                 mb = batch.select_groups(mb_groups)
                 norms = self.normalizers(mb)
-                micro = list(self.micro_batches(mb, torch.arange(len(mb))))
+                micro = self.micro_batches(mb)
                 mb_sums: dict[str, float] = defaultdict(float)
                 for i, idx in enumerate(micro):
-                    mbi, last = mb.select(idx), i == len(micro) - 1
+                    mbi, last = mb.select(idx).trimmed(), i == len(micro) - 1
+                    slots += mbi.prompt_ids.numel() + mbi.response_ids.numel()
+                    real += float(mbi.prompt_mask.sum() + mbi.response_mask.sum())
                     m: dict[str, float] = {}
                     if actor:
                         loss, m = self.micro_loss(mbi, norms)
@@ -504,6 +509,8 @@ class Trainer:
                         sums[f"{name}/skipped_steps"] += 0.0 if res.applied else 1.0
                 n_updates += 1
         metrics = {k: v if k.endswith(("_max", "skipped_steps")) else v / max(n_updates, 1) for k, v in sums.items()}
+        slots_all, real_all = all_reduce(torch.tensor([float(slots), real], dtype=torch.float64)).tolist()
+        metrics["perf/padding_frac"] = 1.0 - real_all / max(slots_all, 1.0)
         if actor:
             metrics["actor/lr"] = self.actor.lr()
         if self.critic is not None:
@@ -542,6 +549,7 @@ class Trainer:
         logp, entropy = response_logprobs(
             self.actor.module, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,
             self.cfg.rollout.temperature, with_entropy=True, entropy_grad=a.entropy_coef != 0,
+            chunk=self.cfg.hw.logits_chunk,
         )  # [n, T] each
         old = logp.detach()  # on-policy: the ratio is exactly 1 and its gradient is ∇log π
         if not self.on_policy or mb.stale.any():  # carried rows always bring their sampling-time log-probs
@@ -575,15 +583,26 @@ class Trainer:
             metrics["actor/nll_loss"] = nll.item()
         return loss, metrics
 
-    def micro_batches(self, b: RolloutBatch, idx: Tensor):
-        """Split row indices into micro-batches of at most hw.micro_batch rows and, if set,
-        hw.max_tokens_per_micro_batch padded tokens. Memory only: the math does not depend on it."""
+    def micro_batches(self, b: RolloutBatch) -> list[Tensor]:
+        """Row indices of `b` split into micro-batches of at most hw.micro_batch rows and, if set,
+        hw.max_tokens_per_micro_batch token slots (rows x (longest prompt + longest response) in the
+        micro-batch, after RolloutBatch.trimmed). Rows go longest first, so a micro-batch holds rows of
+        similar length and little padding (perf/padding_frac). Memory only: the math does not depend on it."""
         hw = self.cfg.hw
-        seq_len = b.prompt_ids.shape[1] + b.response_ids.shape[1]
-        rows = hw.micro_batch
-        if hw.max_tokens_per_micro_batch:
-            rows = max(1, min(rows, hw.max_tokens_per_micro_batch // seq_len))
-        yield from idx.split(rows)
+        tp, t = b.prompt_mask.sum(-1).long().tolist(), b.response_mask.sum(-1).long().tolist()
+        order = sorted(range(len(b)), key=lambda i: -(tp[i] + t[i]))  # stable: ties keep their order
+        parts: list[list[int]] = []
+        width = (0, 0)  # longest prompt and response of the micro-batch being filled
+        for i in order:
+            wider = (max(width[0], tp[i]), max(width[1], t[i]))
+            full = parts and (len(parts[-1]) == hw.micro_batch or (
+                hw.max_tokens_per_micro_batch and (len(parts[-1]) + 1) * sum(wider) > hw.max_tokens_per_micro_batch))
+            if not parts or full:
+                parts.append([])
+                wider = (tp[i], t[i])
+            parts[-1].append(i)
+            width = wider
+        return [torch.tensor(p, dtype=torch.long) for p in parts]
 
     # ------------------------------------------------------------------ evaluation & reporting
     def evaluate(self) -> dict[str, float]:

@@ -78,3 +78,37 @@ def test_sampling_equals_scoring_for_a_checkpoint_whose_generation_config_change
     mask, _ = response_mask_from_ids(resp, tok.eos_token_id)
     scored, _ = response_logprobs(model, enc["input_ids"], enc["attention_mask"], resp, mask, 0.8)
     assert ((sampled - scored) * mask).abs().max().item() > 0.05
+
+
+def test_chunked_logprobs_and_entropy_equal_the_whole_sequence_pass_with_their_gradients():
+    """hw.logits_chunk: the vocabulary projection over 5 response positions at a time (recomputed in
+    backward) gives the same log-probs, entropies (1e-6) and parameter gradients (1e-5 of each tensor's
+    largest entry) as the whole-sequence pass, up to float32 summation order, with left-padded prompts
+    and right-padded responses."""
+    from rlcli.models import projects_plainly
+
+    torch.manual_seed(0)
+    model = build_tiny_model(TinyModelConfig(), load_tiny_tokenizer(), seed=0)
+    assert projects_plainly(model)
+    n, tp, t = 3, 7, 23
+    prompt_ids = torch.randint(5, 60, (n, tp))
+    prompt_mask = torch.ones(n, tp, dtype=torch.long)
+    prompt_mask[0, :3] = 0  # left padding
+    response_ids = torch.randint(5, 60, (n, t))
+    response_mask = torch.ones(n, t)
+    response_mask[1, 15:] = 0  # right padding
+    weights = torch.randn(n, t)
+    out = {}
+    for chunk in (0, 5):
+        model.zero_grad()
+        logp, ent = response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask, 0.7,
+                                      with_entropy=True, entropy_grad=True, chunk=chunk)
+        ((logp * weights).sum() + 0.1 * ent.sum()).backward()
+        out[chunk] = (logp.detach(), ent.detach(), {k: p.grad.clone() for k, p in model.named_parameters()})
+    (lp0, e0, g0), (lp5, e5, g5) = out[0], out[5]
+    assert lp0.shape == (n, t) and torch.allclose(lp0, lp5, atol=1e-6) and torch.allclose(e0, e5, atol=1e-6)
+    for k in g0:  # relative to each tensor's largest entry (the tied embedding sums over every position)
+        assert (g0[k] - g5[k]).abs().max() <= 1e-5 * g0[k].abs().max(), k
+    with torch.no_grad():  # the scoring pass (no autograd) takes the same path without checkpointing
+        assert torch.allclose(response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask, 0.7,
+                                                chunk=5)[0], lp0, atol=1e-6)

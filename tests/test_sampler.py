@@ -108,3 +108,33 @@ def test_without_dynamic_sampling_one_batch_is_the_step():
     s = GroupSampler(need=2, dynamic=False, filter_metric="acc", max_gen_batches=1, train_on_partial=False)
     b, pool, m = s.collect(lambda: batch([1, 2], [(1, 1), (0, 0)]), Policy())
     assert b.groups.tolist() == [1, 2] and s.carry is None and m["dynamic_sampling/gen_batches"] == 1.0
+
+
+def test_micro_batches_pack_rows_by_length_within_both_caps_and_cover_each_row_once():
+    """Trainer.micro_batches: rows longest first, at most hw.micro_batch rows and
+    hw.max_tokens_per_micro_batch slots (rows x (longest prompt + longest response)) per micro-batch,
+    every row exactly once; trimming leaves less padding than the unsorted split of the same sizes."""
+    from types import SimpleNamespace
+
+    from rlcli.trainer import Trainer
+
+    torch.manual_seed(0)
+    n, tp, t = 40, 12, 30
+    plen, rlen = torch.randint(1, tp + 1, (n,)), torch.randint(1, t + 1, (n,))
+    b = RolloutBatch(
+        prompt_ids=torch.zeros(n, tp, dtype=torch.long), prompt_mask=(torch.arange(tp) >= tp - plen[:, None]).long(),
+        response_ids=torch.zeros(n, t, dtype=torch.long), response_mask=(torch.arange(t) < rlen[:, None]).float(),
+        truncated=torch.zeros(n, dtype=torch.bool), group_index=torch.arange(n), answers=[""] * n, texts=[""] * n,
+    )
+    trainer = SimpleNamespace(cfg=SimpleNamespace(hw=SimpleNamespace(micro_batch=8, max_tokens_per_micro_batch=120)))
+    parts = Trainer.micro_batches(trainer, b)
+    assert sorted(torch.cat(parts).tolist()) == list(range(n))
+    slots = 0
+    for idx in parts:
+        mb = b.select(idx).trimmed()
+        assert len(idx) <= 8 and (len(idx) == 1 or mb.prompt_ids.numel() + mb.response_ids.numel() <= 120)
+        assert mb.prompt_mask.sum() == b.prompt_mask[idx].sum() and mb.response_mask.sum() == b.response_mask[idx].sum()
+        slots += mb.prompt_ids.numel() + mb.response_ids.numel()
+    unsorted = sum(b.select(idx).trimmed().prompt_ids.numel() + b.select(idx).trimmed().response_ids.numel()
+                   for idx in torch.arange(n).split([len(p) for p in parts]))
+    assert slots < unsorted

@@ -193,7 +193,8 @@ def test_two_processes_and_micro_batches_give_the_same_step(tmp_path, agg, algo)
     """
     extra = [f"algo={algo}", f"algo.loss_agg={agg}"]
     base = one_update(tmp_path, "one", 1, extra)
-    micro = one_update(tmp_path, "micro", 1, [*extra, "hw.micro_batch=3"])
+    # Micro-batches of at most 3 rows and 100 token slots, packed longest first and trimmed of padding.
+    micro = one_update(tmp_path, "micro", 1, [*extra, "hw.micro_batch=3", "hw.max_tokens_per_micro_batch=100"])
     dist = one_update(tmp_path, "two", 2, extra)
     assert base["metrics"]["actor/grad_norm"] > 0
     if (agg, algo) == ("token_mean", "grpo"):  # whitened REINFORCE++ advantages have mean 0: so has its loss

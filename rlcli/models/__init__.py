@@ -6,6 +6,7 @@ import os
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import Tensor
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -95,21 +96,62 @@ def response_logprobs(
     temperature: float,
     with_entropy: bool = False,
     entropy_grad: bool = False,
+    chunk: int = 0,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs of the response tokens under `model`, logits divided by the sampling temperature.
 
     Returns (logp [n, T], entropy [n, T] or None). Position ids count only real tokens, so a
     left-padded prompt sees the same positions as it did during generation. The entropy is a
     metric unless `entropy_grad` (an entropy bonus): then it stays in the autograd graph.
-    """
-    from rlcli.algos.functional import entropy_from_logits
 
+    With `chunk` > 0 (and a model whose logits are its output projection of the last hidden state:
+    no soft-capping or scaling), the vocabulary projection runs over `chunk` response positions at a
+    time and only for response positions, and under autograd each chunk's logits are recomputed in
+    backward instead of kept: the fp32 logits alive at once are [n, chunk, V], never [n, Tp+T, V].
+    """
     device = next(model.parameters()).device
     tp = prompt_ids.shape[1]
-    logits = model(**joint_inputs(prompt_ids, prompt_mask, response_ids, response_mask, device), use_cache=False).logits
-    logits = logits[:, tp - 1 : -1].float() / temperature  # [n, T, V] predicts response tokens
-    logp = torch.log_softmax(logits, -1).gather(-1, response_ids.to(device).unsqueeze(-1)).squeeze(-1)  # [n, T]
-    entropy = None
-    if with_entropy:
-        entropy = entropy_from_logits(logits if entropy_grad else logits.detach())  # [n, T]
+    inputs = joint_inputs(prompt_ids, prompt_mask, response_ids, response_mask, device)
+    targets = response_ids.to(device)  # [n, T]
+    if not chunk or not projects_plainly(model):
+        logits = model(**inputs, use_cache=False).logits[:, tp - 1 : -1]  # [n, T, V] predicts response tokens
+        return _token_logprobs(logits, targets, temperature, with_entropy, entropy_grad)
+    hidden = model.get_decoder()(**inputs, use_cache=False).last_hidden_state[:, tp - 1 : -1]  # [n, T, H]
+    head = model.get_output_embeddings()
+
+    def part(h: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:  # [n, c, H], [n, c] -> [n, c] each
+        logp, entropy = _token_logprobs(head(h), y, temperature, with_entropy, entropy_grad)
+        return logp, entropy if entropy is not None else torch.zeros_like(logp)
+
+    parts = [
+        torch.utils.checkpoint.checkpoint(part, h, y, use_reentrant=False) if torch.is_grad_enabled() else part(h, y)
+        for h, y in zip(hidden.split(chunk, 1), targets.split(chunk, 1))
+    ]
+    logp = torch.cat([p[0] for p in parts], 1)  # [n, T]
+    return logp, torch.cat([p[1] for p in parts], 1) if with_entropy else None
+
+
+def _token_logprobs(
+    logits: Tensor, targets: Tensor, temperature: float, with_entropy: bool, entropy_grad: bool
+) -> tuple[Tensor, Tensor | None]:
+    """[n, t, V] logits, [n, t] targets -> (log-probs of the targets [n, t], entropy [n, t] or None),
+    in fp32 from logits divided by the temperature."""
+    from rlcli.algos.functional import entropy_from_logits
+
+    logits = logits.float() / temperature
+    logp = torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = entropy_from_logits(logits if entropy_grad else logits.detach()) if with_entropy else None
     return logp, entropy
+
+
+def projects_plainly(model: torch.nn.Module) -> bool:
+    """Whether `model`'s logits are exactly its output embedding applied to its decoder's last hidden
+    state (Llama, Qwen2, Mistral ...), so they can be computed in chunks; models that soft-cap or scale
+    logits (Gemma 2, Cohere) take the whole-sequence path."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None):
+        return False
+    try:
+        return model.get_decoder() is not None and model.get_output_embeddings() is not None
+    except (AttributeError, NotImplementedError):
+        return False
