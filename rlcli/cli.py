@@ -61,10 +61,14 @@ def _run_dir(cfg: Any) -> str:
 
 
 def _freeze(cfg: Any) -> str:
+    """run_dir/config.yaml (node 0), or config.node<r>.yaml for the other nodes of a multi-node run that
+    share the run directory; written to a temp name and renamed, so a worker never reads half of it."""
     from omegaconf import OmegaConf
 
-    path = os.path.join(cfg.run_dir, "config.yaml")
-    OmegaConf.save(cfg, path, resolve=True)
+    name = "config.yaml" if cfg.hw.node_rank == 0 else f"config.node{cfg.hw.node_rank}.yaml"
+    path = os.path.join(cfg.run_dir, name)
+    OmegaConf.save(cfg, path + ".tmp", resolve=True)
+    os.replace(path + ".tmp", path)
     return path
 
 
@@ -89,7 +93,7 @@ def train_job(cfg: Any) -> dict[str, Any] | None:
     with open_dict(cfg):
         cfg.resume = resume  # the frozen config names the checkpoint itself
     frozen = _freeze(cfg)
-    if cfg.hw.nproc == 1:
+    if cfg.hw.nproc * cfg.hw.nnodes == 1:
         from rlcli.trainer import Trainer
 
         return Trainer(cfg).fit()
@@ -110,6 +114,7 @@ def launch(frozen_config: str, hw: Any) -> None:
 
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={hw.nproc}",
+        f"--nnodes={hw.nnodes}", f"--node_rank={hw.node_rank}", f"--master_addr={hw.master_addr}",
         f"--master_port={hw.master_port or free_port()}", f"--shutdown-timeout={hw.shutdown_timeout_s}",
         "-m", "rlcli.worker", frozen_config,
     ]

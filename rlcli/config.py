@@ -100,7 +100,14 @@ class HWConfig:
     device: str = "cpu"
     """cpu | cuda."""
     nproc: int = 1
-    """Processes (data-parallel ranks); >1 makes `rlcli train` launch workers with torchrun."""
+    """Processes (data-parallel ranks) per node; >1 makes `rlcli train` launch workers with torchrun."""
+    nnodes: int = 1
+    """Nodes. Each node runs the same `rlcli train` command with its own hw.node_rank; torchrun's static
+    rendezvous at hw.master_addr:hw.master_port joins them (README, "Scaling up")."""
+    node_rank: int = 0
+    """This node's index, 0 .. hw.nnodes-1 (node 0 hosts the rendezvous and rank 0)."""
+    master_addr: str = "127.0.0.1"
+    """Address of node 0, reachable from every node (multi-node runs)."""
     zero_stage: int = 0
     """DeepSpeed ZeRO stage 0-3."""
     precision: str = "fp32"
@@ -120,7 +127,7 @@ class HWConfig:
     shm_comm: bool = False
     """Use DeepSpeed's CPU shared-memory all-reduce op (JIT-compiled once, ~50 s); gloo otherwise."""
     master_port: int | None = None
-    """Rendezvous port for multi-process runs (null = a free port)."""
+    """Rendezvous port on hw.master_addr (null = a free port; multi-node runs must set it)."""
     collective_timeout_s: int = 1800
     """A collective that waits this long for a dead or stuck rank fails with an error naming the rank, step
     and stage (torch's default, 30 min). Must exceed the longest stage one rank can spend alone (generation)."""
@@ -225,6 +232,11 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="config_schema", node=Config)
 
 
+def world_size(hw: Any) -> int:
+    """Data-parallel ranks over all nodes."""
+    return hw.nproc * hw.nnodes
+
+
 def batch_units(cfg: Any) -> tuple[int, int]:
     """(P, G) sampled per step: rollout.prompts_per_step x rollout.n with group sampling (every group
     estimator, and VAPO §4.3); without it, VAPO's other use of the same budget (its vanilla-PPO
@@ -248,23 +260,30 @@ def validate(cfg: DictConfig | Any) -> None:
     validate_critic(cfg.critic)
     r, hw, a = cfg.rollout, cfg.hw, cfg.algo
     p, _ = batch_units(cfg)
-    if p % hw.nproc:
+    world = world_size(hw)
+    ranks = f"hw.nproc x hw.nnodes = {world} ranks" if hw.nnodes > 1 else f"hw.nproc={hw.nproc}"
+    if p % world:
         raise ValueError(
             f"rollout.prompts_per_step={r.prompts_per_step} (P={p} sampled) is not divisible by "
-            f"hw.nproc={hw.nproc}: each rank generates whole groups for an equal share of the prompts"
+            f"{ranks}: each rank generates whole groups for an equal share of the prompts"
         )
-    per_rank_p = p // hw.nproc
+    per_rank_p = p // world
     if per_rank_p % a.mini_batches:
         raise ValueError(
-            f"per-rank prompts ({p}/{hw.nproc}={per_rank_p}) are not divisible by "
+            f"per-rank prompts ({p}/{world}={per_rank_p}) are not divisible by "
             f"algo.mini_batches={a.mini_batches}: a mini-batch holds whole groups; change one of them"
         )
     gen = r.gen_prompts_per_step
-    if gen is not None and (gen < 1 or gen % hw.nproc):
+    if gen is not None and (gen < 1 or gen % world):
         raise ValueError(
-            f"rollout.gen_prompts_per_step={gen} must be >= 1 and divisible by hw.nproc={hw.nproc} (each rank "
+            f"rollout.gen_prompts_per_step={gen} must be >= 1 and divisible by {ranks} (each rank "
             f"generates whole groups for an equal share of every generation batch), e.g. {3 * p} (verl's 3 x P)"
         )
+    if hw.nnodes > 1 and hw.master_port is None:
+        raise ValueError(f"hw.nnodes={hw.nnodes}: set hw.master_port (and hw.master_addr, node 0's address) to the "
+                         "same free port on every node, e.g. hw.master_port=29500")
+    if not 0 <= hw.node_rank < hw.nnodes:
+        raise ValueError(f"hw.node_rank={hw.node_rank} must lie in [0, hw.nnodes={hw.nnodes})")
     for key, value, low in (
         ("rollout.n", r.n, 1),
         ("rollout.max_new_tokens", r.max_new_tokens, 1),
@@ -276,6 +295,7 @@ def validate(cfg: DictConfig | Any) -> None:
         ("hw.collective_timeout_s", hw.collective_timeout_s, 1),
         ("hw.shutdown_timeout_s", hw.shutdown_timeout_s, 0),
         ("hw.nproc", hw.nproc, 1),
+        ("hw.nnodes", hw.nnodes, 1),
     ):
         if value < low:
             raise ValueError(f"{key}={value} must be >= {low}")

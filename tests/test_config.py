@@ -180,6 +180,9 @@ def test_vapo_at_paper_scale_is_the_papers_batch():
     (["hw=cpu_x2", "algo=dapo", "rollout.gen_prompts_per_step=5"], "divisible by hw.nproc=2"),
     (["rollout.engine=vllm"], "rollout.engine='vllm' is not a known rollout engine; valid names: hf"),
     (["algo=dapo", "algo.filter_metric=reward"], "acc (verified correctness, DAPO) or score"),
+    (["hw.nnodes=2"], "set hw.master_port"),
+    (["hw.nnodes=2", "hw.master_port=29500", "hw.node_rank=2"], "hw.node_rank=2 must lie in [0, hw.nnodes=2)"),
+    (["hw=cpu_x2", "hw.nnodes=3", "hw.master_port=29500"], "divisible by hw.nproc x hw.nnodes = 6 ranks"),
 ])
 def test_a_switch_that_is_on_acts_or_fails_validation_with_the_fix(overrides, fix):
     with pytest.raises(ValueError, match=None) as e:

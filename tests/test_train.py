@@ -227,3 +227,29 @@ def test_cpu_x2_dynamic_sampling_with_train_on_partial_never_deadlocks(tmp_path)
     for r in steps:
         assert r["dynamic_sampling/gen_batches"] == 1 and 0 < r["dynamic_sampling/kept_fraction"] < 1
         assert r["actor/grad_norm"] > 0
+
+
+def test_two_nodes_on_localhost_train_like_cpu_x2(tmp_path):
+    """Multi-node launch: two `rlcli train` commands, one per "node" (hw.nnodes=2, hw.node_rank=0|1, one
+    process each, rendezvous at 127.0.0.1), train 3 steps as one world of 2 ranks, with the same step-1
+    loss and statistics as hw=cpu_x2 (the same two ranks launched on one node)."""
+    from rlcli.engine import free_port
+
+    common = ["steps=3", "save=false", "eval.before=false", "hw.num_threads=1", "hw.micro_batch=64", *FAST]
+    rlcli(tmp_path, "train", "hw=cpu_x2", f"hydra.run.dir={tmp_path / 'x2'}", *common)
+    port = free_port()
+    nodes = [subprocess.Popen(
+        [sys.executable, "-m", "rlcli.cli", "train", "hw.nnodes=2", f"hw.node_rank={r}", "hw.master_addr=127.0.0.1",
+         f"hw.master_port={port}", f"hydra.run.dir={tmp_path / 'nodes'}", *common],
+        cwd=tmp_path, env=env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=600)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    assert "world size 2" in outs[0] and "--nnodes=2 --node_rank=1" in outs[1]
+
+    def steps(run):
+        return [r for r in (json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()) if "actor/pg_loss" in r]
+
+    x2, two_nodes = steps(tmp_path / "x2"), steps(tmp_path / "nodes")
+    assert [r["step"] for r in two_nodes] == [1, 2, 3]
+    for k in ("actor/pg_loss", "actor/grad_norm", "reward/mean", "acc/mean", "response_length/mean"):
+        assert two_nodes[0][k] == pytest.approx(x2[0][k], rel=1e-6, abs=1e-9), k

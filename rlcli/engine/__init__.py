@@ -29,7 +29,7 @@ def init_distributed(hw: Any) -> None:
 
     if dist.is_available() and dist.is_initialized():
         return
-    if hw.nproc == 1:
+    if hw.nproc * hw.nnodes == 1:
         # One process: a private group on a free port, whatever launcher variables the environment
         # inherited (a parent process's MASTER_PORT may still be bound by that parent).
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
