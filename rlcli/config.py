@@ -43,7 +43,7 @@ class ModelConfig:
     trust_remote_code: bool = False
     """Passed to from_pretrained for hub models that ship their own code."""
     gradient_checkpointing: bool = False
-    """Recompute activations in backward to save memory (large models)."""
+    """Recompute activations in backward to save memory (large models); the policy and the critic."""
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     """Architecture of the embedded tiny Llama (used when `path` is null)."""
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)

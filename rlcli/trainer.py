@@ -105,6 +105,8 @@ class Trainer:
         self.pretrain_steps = cfg.critic.pretrain_steps if a.value_pretrain else 0
         if a.adv_estimator in NEEDS_VALUES:
             critic = load_critic(cfg.critic, self.model_path, DTYPES[cfg.model.dtype]).to(self.device)
+            if cfg.model.gradient_checkpointing:  # the critic is as large as the policy: the same trade
+                critic.activation_checkpointing_enable()
             self.critic = eng.Engine(
                 critic, cfg.hw, cfg.optim, self.optimizer_steps + self.pretrain_steps * a.mini_batches * a.ppo_epochs,
                 lr=cfg.critic.lr, warmup_steps=cfg.critic.warmup_steps,

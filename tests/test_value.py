@@ -420,3 +420,31 @@ def test_augmented_values_hand_computed():
     got = augmented_values(v_c, v_p, 100, 100, 0.8, 5.0)
     torch.testing.assert_close(got, torch.tensor([[1 - w, 2 * w]]), rtol=0, atol=1e-7)
     assert abs(w - 0.00539036) < 1e-8
+
+
+def test_gradient_checkpointing_leaves_policy_and_critic_gradients_unchanged():
+    """model.gradient_checkpointing recomputes activations in backward: the same gradients (1e-5 of each
+    tensor's largest entry) for the policy's log-probs and the critic's values."""
+    from rlcli.models import response_logprobs
+    from rlcli.models.tiny import TinyModelConfig, build_tiny_model, load_tiny_tokenizer
+    from rlcli.models.value import ValueHeadSpec, ValueModel, response_values
+
+    torch.manual_seed(0)
+    ids, mask = torch.randint(5, 60, (3, 6)), torch.ones(3, 6, dtype=torch.long)
+    resp, rmask = torch.randint(5, 60, (3, 9)), torch.ones(3, 9)
+    policy = build_tiny_model(TinyModelConfig(), load_tiny_tokenizer(), seed=0).train()
+    critic = ValueModel(build_tiny_model(TinyModelConfig(), load_tiny_tokenizer(), seed=1).model, ValueHeadSpec(),
+                        torch.nn.Linear(256, 1)).train()
+    grads = {}
+    for ckpt in (False, True):
+        if ckpt:
+            policy.activation_checkpointing_enable()
+            critic.activation_checkpointing_enable()
+        policy.zero_grad()
+        critic.zero_grad()
+        response_logprobs(policy, ids, mask, resp, rmask, 1.0)[0].sum().backward()
+        response_values(critic, ids, mask, resp, rmask).sum().backward()
+        grads[ckpt] = {k: p.grad.clone() for m in (policy, critic) for k, p in m.named_parameters() if p.grad is not None}
+    assert policy.is_activation_checkpointing and critic.backbone.is_activation_checkpointing and len(grads[True]) == len(grads[False]) > 20
+    for k, g in grads[False].items():
+        assert (grads[True][k] - g).abs().max() <= 1e-5 * g.abs().max() + 1e-12, k
