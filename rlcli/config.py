@@ -115,9 +115,11 @@ class HWConfig:
     offload_optimizer: bool = False
     """ZeRO optimizer-state offload to CPU (GPU runs)."""
     micro_batch: int = 32
-    """Memory only: trajectories per forward/backward micro-batch."""
+    """Memory only: at most this many trajectories per forward/backward micro-batch (rows are packed
+    longest first and each micro-batch is trimmed of all-padding columns; perf/padding_frac)."""
     max_tokens_per_micro_batch: int | None = None
-    """Memory only: also cap prompt+response tokens per micro-batch (null = no cap)."""
+    """Memory only: also cap a micro-batch's token slots, rows x (longest prompt + longest response)
+    (null = no cap)."""
     logits_chunk: int = 256
     """Memory only: response positions per chunk of the vocabulary projection in the log-prob and entropy
     passes, recomputed in backward; the fp32 logits alive at once are [rows, chunk, vocab] (0 = the whole
