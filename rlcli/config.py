@@ -29,6 +29,24 @@ from rlcli.sft import WarmStartConfig
 
 
 @dataclass
+class LoRAConfig:
+    """Low-rank adapters on the policy (Hu et al. 2021, arXiv:2106.09685), through peft (`pip install
+    rlcli[lora]`). Only the adapters train; the reference policy is the base model with the adapters
+    disabled (no second copy); checkpoints hold the adapters; the saved policy is merged."""
+
+    r: int = 0
+    """Adapter rank (0 = no LoRA: every weight trains)."""
+    alpha: float = 16.0
+    """Scale: the adapter's update is multiplied by alpha / r."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input."""
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    """Names of the linear layers that get adapters (Llama / Qwen2 attention and MLP projections)."""
+
+
+@dataclass
 class ModelConfig:
     name: str = "tiny"
     """Preset name, for logs and run names."""
@@ -42,6 +60,8 @@ class ModelConfig:
     """transformers attention backend (eager | sdpa | flash_attention_2); null = library default."""
     trust_remote_code: bool = False
     """Passed to from_pretrained for hub models that ship their own code."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """LoRA adapters instead of full fine-tuning of the policy (model.lora.r > 0)."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory (large models); the policy and the critic."""
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
@@ -284,6 +304,11 @@ def validate(cfg: DictConfig | Any) -> None:
     if hw.nnodes > 1 and hw.master_port is None:
         raise ValueError(f"hw.nnodes={hw.nnodes}: set hw.master_port (and hw.master_addr, node 0's address) to the "
                          "same free port on every node, e.g. hw.master_port=29500")
+    if cfg.model.lora.r and hw.zero_stage == 3:
+        raise ValueError("model.lora.r > 0 with hw.zero_stage=3: merging adapters into partitioned weights is not "
+                         "supported; use hw.zero_stage<=2 (the frozen base has no optimizer state to shard)")
+    if cfg.model.lora.r < 0:
+        raise ValueError(f"model.lora.r={cfg.model.lora.r} must be >= 0 (0 = no LoRA)")
     if not 0 <= hw.node_rank < hw.nnodes:
         raise ValueError(f"hw.node_rank={hw.node_rank} must lie in [0, hw.nnodes={hw.nnodes})")
     for key, value, low in (

@@ -10,6 +10,7 @@ def startup_summary(t: Any) -> str:
     cfg, a, r, hw = t.cfg, t.cfg.algo, t.cfg.rollout, t.cfg.hw
     # ZeRO-3 leaves empty placeholders in the module; ds_numel is the full count of a partitioned one.
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in t.actor.module.parameters())
+    n_trainable = sum(getattr(p, "ds_numel", p.numel()) for p in t.actor.module.parameters() if p.requires_grad)
     p, g = t.P, t.G
     mb_traj = p * g // a.mini_batches
     d = cfg.data
@@ -18,11 +19,13 @@ def startup_summary(t: Any) -> str:
         "rlcli train",
         f"  run dir        {cfg.run_dir}",
         f"  model          {cfg.model.name}: {t.model_path} ({t.model_source})",
-        f"  parameters     {n_params / 1e6:.2f}M, dtype {cfg.model.dtype}, precision {hw.precision}",
+        f"  parameters     {n_params / 1e6:.2f}M, dtype {cfg.model.dtype}, precision {hw.precision}"
+        + (f"; LoRA r={cfg.model.lora.r}: {n_trainable / 1e6:.2f}M trainable" if cfg.model.lora.r else ""),
         f"  hardware       {hw.name}: device {hw.device}, world size {t.world}, ZeRO-{hw.zero_stage}",
         f"  algorithm      {a.name}: advantage={a.adv_estimator} loss={a.policy_loss} "
         f"clip=({a.clip_low}, {a.clip_high}) agg={a.loss_agg} kl_coef={a.kl_coef}"
-        f"{' (in reward)' if a.kl_in_reward else ''} reference model={'yes' if t.ref is not None else 'no'}",
+        f"{' (in reward)' if a.kl_in_reward else ''} reference model="
+        + ("no" if t.ref is None else "the base model, adapters disabled" if cfg.model.lora.r else "yes"),
         f"  shaping        overlong_filter={a.overlong_filter} soft_overlong={a.soft_overlong} "
         f"(buffer {r.overlong_buffer_len} of {r.max_new_tokens} tokens) "
         f"dynamic_sampling={a.dynamic_sampling}",

@@ -95,7 +95,9 @@ class Trainer:
         model, self.tokenizer = load_policy(cfg.model, self.model_path)
         self.device = eng.device(cfg.hw)
         model.to(self.device)
-        self.ref = eng.frozen_copy(model) if a.kl_coef > 0 else None  # never built when beta = 0
+        # The KL reference: a frozen copy of the initial policy, never built when beta = 0; with LoRA the
+        # policy module itself, scored with its adapters disabled (reference_logprobs).
+        self.ref = (model if cfg.model.lora.r else eng.frozen_copy(model)) if a.kl_coef > 0 else None
         self.optimizer_steps = cfg.steps * a.mini_batches * a.ppo_epochs
         self.actor = eng.Engine(model, cfg.hw, cfg.optim, self.optimizer_steps)
         self.kl_ctl = build_kl_controller(a)
@@ -383,6 +385,13 @@ class Trainer:
         chunk = self.cfg.hw.logits_chunk
         return self.per_token(lambda *x: response_logprobs(model, *x, self.cfg.rollout.temperature, chunk=chunk)[0], b)
 
+    def reference_logprobs(self, b: RolloutBatch) -> Tensor:
+        """Log-probs of `b`'s responses under the reference policy (the initial one). -> [N, T]"""
+        if self.cfg.model.lora.r:  # the base weights never train: the base model is the initial policy
+            with self.actor.module.disable_adapter():
+                return self.logprobs(self.actor.module, b)
+        return self.logprobs(self.ref, b)
+
     def values(self, critic: torch.nn.Module, b: RolloutBatch) -> Tensor:
         """Critic values at `b`'s response positions. -> [N, T]"""
         return self.per_token(lambda *x: response_values(critic, *x), b)
@@ -401,7 +410,7 @@ class Trainer:
             old[fresh] = self.logprobs(self.actor.module, batch.select(fresh))
             out["old_logp"] = old
         if self.ref is not None and (actor or kl_in_reward):
-            out["ref_logp"] = self.logprobs(self.ref, batch)
+            out["ref_logp"] = self.reference_logprobs(batch)
         if self.critic is not None:
             out["values"] = out["adv_values"] = self.values(self.critic.module, batch)
             if self.v_pretrained is not None:  # option: V_aug = w(t) V_pre + (1 - w(t)) V

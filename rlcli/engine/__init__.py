@@ -126,6 +126,8 @@ class Engine:
         )
         self.zero_stage = hw.zero_stage
         self.skipped_steps = 0
+        # Frozen weights (a LoRA base) are rebuilt from the model path, so checkpoints leave them out.
+        self.has_frozen = any(not p.requires_grad for p in model.parameters())
 
     @property
     def module(self) -> torch.nn.Module:
@@ -188,12 +190,13 @@ class Engine:
         """DeepSpeed's checkpoint of weights and optimizer state (each rank its ZeRO partition) under
         `directory/tag`, with the LR schedule and skip count this class owns. All ranks call it."""
         state = {"rlcli_scheduler": self.scheduler.state_dict(), "rlcli_skipped_steps": self.skipped_steps}
-        self.ds.save_checkpoint(directory, tag=tag, client_state=state, save_latest=False)
+        self.ds.save_checkpoint(directory, tag=tag, client_state=state, save_latest=False,
+                                exclude_frozen_parameters=self.has_frozen)
 
     def load(self, directory: str, tag: str) -> None:
         """Restore what `save` wrote, optimizer moments and DeepSpeed's step counters included."""
         path, state = self.ds.load_checkpoint(directory, tag=tag, load_optimizer_states=True,
-                                              load_lr_scheduler_states=False)
+                                              load_lr_scheduler_states=False, load_module_strict=not self.has_frozen)
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint {tag!r} in {directory}")
         self.scheduler.load_state_dict(state["rlcli_scheduler"])
@@ -237,12 +240,38 @@ def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
     return out
 
 
+def merged_lora_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """The state dict of a peft LoRA model's base with every adapter merged in (W + scale * B @ A),
+    under the base model's own parameter names; computed aside, so the model itself is unchanged.
+    None on ranks other than 0."""
+    from peft.tuners.lora import LoraLayer
+
+    if rank() != 0:
+        return None
+    base = model.get_base_model()
+    delta = {name: m.get_delta_weight(m.active_adapters[0])
+             for name, m in base.named_modules() if isinstance(m, LoraLayer)}
+    out = {}
+    for key, value in base.state_dict().items():
+        if "lora_" in key:
+            continue
+        layer, _, leaf = key.rpartition(".base_layer.")
+        out[f"{layer}.{leaf}" if layer else key] = (
+            value + delta[layer] if layer in delta and leaf == "weight" else value).detach().cpu().clone()
+    return out
+
+
 def save_policy(module: torch.nn.Module, tokenizer: Any, path: str) -> None:
     """save_pretrained + tokenizer of the full (gathered) weights, written by rank 0 to a temp dir then
-    renamed so a crash never leaves half a model. All ranks call it."""
+    renamed so a crash never leaves half a model. A LoRA policy is saved merged (W + the adapter's
+    update), as the plain transformers model AutoModelForCausalLM loads; the module is left as it was.
+    All ranks call it."""
     import shutil
 
-    state = full_state_dict(module)
+    if hasattr(module, "get_base_model"):  # peft (LoRA is refused with ZeRO-3: the weights are whole here)
+        state, module = merged_lora_state_dict(module), module.get_base_model()
+    else:
+        state = full_state_dict(module)
     if rank() != 0:
         return
     tmp = path + ".tmp"

@@ -67,8 +67,21 @@ def load_policy(model_cfg: Any, path: str) -> tuple[torch.nn.Module, Any]:
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     if model_cfg.gradient_checkpointing:
         model.activation_checkpointing_enable()
+    if model_cfg.lora.r:
+        model = with_lora(model, model_cfg.lora)
     tokenizer = load_tokenizer(model_cfg.tokenizer_path or path, model_cfg.trust_remote_code)
     return model, tokenizer
+
+
+def with_lora(model: torch.nn.Module, lora: Any) -> torch.nn.Module:
+    """`model` wrapped by peft with LoRA adapters on `lora.target_modules`; the base weights are frozen."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as e:
+        raise ImportError("model.lora.r > 0 needs peft: pip install 'rlcli[lora]'") from e
+    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                        target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
 
 
 def joint_inputs(

@@ -45,6 +45,7 @@ def own_generation_config(model: torch.nn.Module) -> Iterator[None]:
     scoring, so the library defaults stand in for the checkpoint's for the duration of the call."""
     from transformers import GenerationConfig
 
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft (LoRA) wrapper
     saved = model.generation_config
     model.generation_config = GenerationConfig()
     try:

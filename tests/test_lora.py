@@ -1,0 +1,82 @@
+"""LoRA through peft (model.lora): only the adapters train, the reference policy is the base model with
+the adapters disabled and equals the initial policy, checkpoints hold the adapters, and the saved policy
+is the merged model, loadable by AutoModelForCausalLM."""
+
+import pytest
+import torch
+from conftest import CONF
+from hydra import compose, initialize_config_dir
+
+from rlcli.config import register_configs, validate
+from rlcli.trainer import Trainer
+
+pytestmark = pytest.mark.slow
+
+
+def make(tmp_path, monkeypatch, *overrides):
+    monkeypatch.setenv("RLCLI_CACHE", str(tmp_path / "cache"))
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        cfg = compose("config", overrides=[
+            "model.warm_start.enabled=false", "rollout.prompts_per_step=4", "rollout.n=4", "rollout.max_new_tokens=16",
+            "data.eval_size=4", "eval.before=false", "hw.num_threads=1", "~reward.weights.math_verify",
+            "+reward.weights.sevens=1.0", "+reward.custom.sevens=reward_fixtures.count_sevens", "optim.lr=1e-2",
+            "model.lora.r=4", "algo.kl_coef=0.04", "checkpoint.every=1", *overrides,
+        ])
+    cfg.run_dir = str(tmp_path / "run")
+    validate(cfg)
+    return Trainer(cfg)
+
+
+def test_lora_trains_the_adapters_only_and_the_reference_is_the_initial_policy(tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    t = make(tmp_path, monkeypatch, "steps=2")
+    model = t.actor.module
+    base = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" not in n}
+    lora = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+    assert lora and all(p.requires_grad == ("lora_" in n) for n, p in model.named_parameters())
+    batch, _ = t.collect(t.timer)  # a batch to score after training (fit closes the reward workers)
+    result = t.fit()
+
+    assert all(torch.equal(p.detach(), base[n]) for n, p in model.named_parameters() if n in base)
+    assert any(not torch.equal(p.detach(), lora[n]) for n, p in model.named_parameters() if n in lora)
+    # The reference log-probs (adapters disabled) equal the initial model's, loaded afresh.
+    initial = AutoModelForCausalLM.from_pretrained(t.model_path).eval()
+    ref = t.reference_logprobs(batch)
+    assert torch.allclose(ref, t.logprobs(initial, batch), atol=1e-6)
+    assert not torch.allclose(ref, t.logprobs(model, batch), atol=1e-3)  # the adapters do change the policy
+    # The saved policy is the merged model: a plain transformers model equal to peft's own
+    # merge_and_unload (on a copy), moved away from the base in the adapted layers only.
+    import copy
+
+    saved = dict(AutoModelForCausalLM.from_pretrained(result["policy_path"]).named_parameters())
+    reference = dict(copy.deepcopy(model).merge_and_unload().named_parameters())
+    assert saved.keys() == reference.keys() and not any("lora" in n for n in saved)
+    assert all(torch.allclose(saved[n], reference[n], atol=1e-7) for n in saved)
+    start = dict(initial.named_parameters())
+    moved = [n for n in saved if not torch.equal(saved[n], start[n])]
+    assert moved and all(any(m in n for m in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                  "down_proj")) for n in moved)
+
+
+def test_a_lora_checkpoint_holds_the_adapters_and_resumes_bit_identically(tmp_path, monkeypatch):
+    """Checkpoints leave the frozen base out (it is rebuilt from the model path): the actor checkpoint is
+    a fraction of the full model's, and a run resumed from step 1 logs step 2 exactly as a straight run."""
+    import json
+    import os
+
+    straight = make(tmp_path / "a", monkeypatch, "steps=2", "save=false")
+    straight.fit()
+    step1 = os.path.join(straight.cfg.run_dir, "checkpoints", "step_1")
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(os.path.join(step1, "actor")) for f in fs)
+    full = sum(p.numel() * 4 for n, p in straight.actor.module.named_parameters())
+    assert size < 0.5 * full
+    resumed = make(tmp_path / "b", monkeypatch, "steps=2", "save=false", f"resume={step1}")
+    resumed.fit()
+
+    def rows(t):
+        with open(os.path.join(t.cfg.run_dir, "metrics.jsonl")) as f:
+            return [{k: v for k, v in json.loads(x).items() if "timing_s/" not in k and "perf/" not in k} for x in f]
+
+    assert rows(resumed) == rows(straight)
