@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 ARGS ?=
 
-.PHONY: install train sft test test-fast lint bench ladder-dapo ladder-vapo clean
+.PHONY: install train sft test test-fast lint bench gpu-smoke ladder-dapo ladder-vapo clean
 
 install: $(STAMP)
 
@@ -39,6 +39,9 @@ ladder-vapo: install  ## VAPO Table 1 leave-one-out ladder on the tiny task, 3 s
 
 bench: install  ## speed and memory numbers, printed
 	$(VENV)/bin/python -m rlcli.bench $(ARGS)
+
+gpu-smoke: install  ## 5 GRPO steps of a Qwen2.5-0.5B-shaped model on one CUDA GPU: tokens/s, peak memory
+	$(VENV)/bin/python -m rlcli.gpu_smoke $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs outputs .pytest_cache
