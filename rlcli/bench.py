@@ -99,7 +99,7 @@ def scoring_memory() -> None:
     print(f"{'hw.logits_chunk':<20}{'peak RSS growth GiB':>22}{'seconds':>10}")
     for chunk in SCORING_CHUNKS:
         out = subprocess.run([sys.executable, "-m", "rlcli.bench", "--scoring-pass", str(chunk)],
-                             capture_output=True, text=True, check=True).stdout.split()
+                             capture_output=True, text=True, check=True, timeout=600).stdout.split()
         print(f"{chunk if chunk else '0 (whole sequence)':<20}{float(out[-2]):>22.2f}{float(out[-1]):>10.2f}")
 
 

@@ -60,8 +60,8 @@ STEP_DIR = re.compile(r"step_(\d+)")
 class CheckpointConfig:
     every: int = 20
     """Write a checkpoint every this many training steps and at the last one (0 = only when stopped by
-    SIGTERM/SIGINT). 20 suits
-    models up to ~1B, whose checkpoint costs seconds; model=qwen2.5-32b sets 5 (README, "Checkpoints and resume")."""
+    SIGTERM/SIGINT). 20 suits models up to ~1B, whose checkpoint costs seconds; model=qwen2.5-32b sets 5
+    (README, "Checkpoints and resume")."""
     keep_last: int = 2
     """Checkpoints kept in run_dir/checkpoints; an older one is deleted only after a newer one is complete."""
 

@@ -115,21 +115,12 @@ def find_runs(paths: list[str | Path]) -> list[Run]:
     return [load_run(d) for d in dirs]
 
 
-def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(d, dict):
-        return {prefix: json.dumps(d, sort_keys=True)}
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        out.update(_flat(v, f"{prefix}{k}." if isinstance(v, dict) else f"{prefix}{k}"))
-    return out
-
-
 def group_runs(runs: list[Run]) -> list[Group]:
     """Group runs whose configs are equal except `seed`/`run_dir`; ladder groups come in rung order."""
     groups: dict[str, list[Run]] = {}
     for run in runs:
         cfg = {k: v for k, v in run.config.items() if k not in IGNORED_KEYS}
-        groups.setdefault(json.dumps(_flat(cfg), sort_keys=True), []).append(run)
+        groups.setdefault(json.dumps(cfg, sort_keys=True), []).append(run)
     out = []
     for members in groups.values():
         members.sort(key=lambda r: (r.seed is None, r.seed or 0, str(r.path)))

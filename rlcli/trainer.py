@@ -138,17 +138,15 @@ class Trainer:
         cfg, result = self.cfg, self.result
         self.print(startup_summary(self))
         with ckpt.StopSignals(announce=ckpt.to_stderr if self.main else None) as signals:
-            t_start = time.perf_counter()
             if self.start_step:
                 self.print(f"resumed from {self.resumed_from}: {self.start_step} of {cfg.steps} steps done")
-            else:
-                if cfg.eval.before:
-                    result["eval_before"] = self.evaluate()
-                    self.print(f"held-out accuracy before training: {result['eval_before']['eval/acc']:.3f}")
-                    self.logger.log({f"{k}_before": v for k, v in result["eval_before"].items()}, step=0)
-                t_start = time.perf_counter()
-                if self.pretrain_steps:
-                    result["value_pretrain"] = self.pretrain_critic()
+            elif cfg.eval.before:
+                result["eval_before"] = self.evaluate()
+                self.print(f"held-out accuracy before training: {result['eval_before']['eval/acc']:.3f}")
+                self.logger.log({f"{k}_before": v for k, v in result["eval_before"].items()}, step=0)
+            t_start = time.perf_counter()  # training time: value pretraining and steps, not evaluation
+            if self.pretrain_steps and not self.start_step:
+                result["value_pretrain"] = self.pretrain_critic()
             bar = tqdm(range(self.start_step + 1, cfg.steps + 1), desc="train", initial=self.start_step,
                        total=cfg.steps, disable=not self.main, dynamic_ncols=True)
             for step in bar:
