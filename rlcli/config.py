@@ -133,7 +133,11 @@ class HWConfig:
     precision: str = "fp32"
     """fp32 | bf16 (fp16 is refused on CPU)."""
     offload_optimizer: bool = False
-    """ZeRO optimizer-state offload to CPU (GPU runs)."""
+    """ZeRO (stage >= 1) optimizer states and the fp32 master weights in CPU memory, the Adam step on the CPU
+    (GPU runs: frees 12 bytes per parameter of device memory)."""
+    offload_params: bool = False
+    """ZeRO-3 parameter offload: each rank's parameter partition lives in CPU memory and is fetched layer by
+    layer for each forward and backward (GPU runs; needs hw.zero_stage=3)."""
     micro_batch: int = 32
     """Memory only: at most this many trajectories per forward/backward micro-batch (rows are packed
     longest first and each micro-batch is trimmed of all-padding columns; perf/padding_frac)."""
@@ -337,6 +341,12 @@ def validate(cfg: DictConfig | Any) -> None:
         raise ValueError(f"hw.precision={hw.precision!r}: choose fp32 or bf16 (fp16 is refused on CPU)")
     if hw.zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"hw.zero_stage={hw.zero_stage} must be 0, 1, 2 or 3")
+    if hw.offload_params and hw.zero_stage != 3:
+        raise ValueError(f"hw.offload_params=true needs hw.zero_stage=3 (it offloads ZeRO-3's parameter "
+                         f"partitions), not {hw.zero_stage}: set hw.zero_stage=3 or hw.offload_params=false")
+    if hw.offload_optimizer and hw.zero_stage == 0:
+        raise ValueError("hw.offload_optimizer=true needs hw.zero_stage >= 1 (it offloads ZeRO's optimizer "
+                         "partitions): set hw.zero_stage=1, 2 or 3")
     if cfg.eval.k > 1 and cfg.eval.temperature == 0:
         raise ValueError(f"eval.k={cfg.eval.k} samples need eval.temperature > 0 (greedy gives k copies)")
     if any(not 1 <= j <= cfg.eval.k for j in cfg.eval.pass_ks):

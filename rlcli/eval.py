@@ -14,24 +14,22 @@ from tqdm.auto import tqdm
 
 from rlcli.answers import extract_final_answer_or_none
 from rlcli.eval_metrics import summarize
-from rlcli.rollout.hf import generate
+from rlcli.rollout import ROLLOUT_ENGINES, Sampling
 
 
 def sample_and_verify(
-    model: Any, tokenizer: Any, examples: list[dict[str, str]], eval_cfg: Any, rollout_cfg: Any,
-    rewards: Any, progress: bool = False,
+    engine: Any, examples: list[dict[str, str]], eval_cfg: Any, rollout_cfg: Any, rewards: Any,
+    progress: bool = False,
 ) -> list[dict[str, Any]]:
-    """Per prompt: its k responses, verdicts, extracted answers, lengths and truncation flags."""
+    """Per prompt: its k responses (from the rollout `engine`), verdicts, extracted answers, lengths and
+    truncation flags."""
     k, chunk = eval_cfg.k, max(1, eval_cfg.batch_prompts)
+    sampling = Sampling.of_eval(eval_cfg, rollout_cfg)
     results: list[dict[str, Any]] = []
     bar = tqdm(total=len(examples), desc="eval", unit="prompt", disable=not progress, leave=False)
     for s in range(0, len(examples), chunk):
         part = examples[s : s + chunk]
-        b = generate(
-            model, tokenizer, [e["prompt"] for e in part], [e["answer"] for e in part], k,
-            eval_cfg.max_new_tokens or rollout_cfg.max_new_tokens, eval_cfg.temperature, eval_cfg.top_p,
-            0, rollout_cfg.gen_batch_size,
-        )
+        b = engine.generate([e["prompt"] for e in part], [e["answer"] for e in part], k, sampling)
         out = rewards(b.texts, b.answers)
         lengths, truncated = b.lengths.tolist(), b.truncated.tolist()
         for i, e in enumerate(part):
@@ -78,7 +76,8 @@ def run_eval(cfg: Any) -> dict[str, float]:
         flush=True,
     )
     with RewardManager(cfg.reward) as rewards:
-        per_prompt = sample_and_verify(model, tokenizer, examples, e, cfg.rollout, rewards, progress=True)
+        engine = ROLLOUT_ENGINES[cfg.rollout.engine](model, tokenizer, cfg)
+        per_prompt = sample_and_verify(engine, examples, e, cfg.rollout, rewards, progress=True)
     summary = metrics(per_prompt, e)
     os.makedirs(cfg.run_dir, exist_ok=True)
     with open(os.path.join(cfg.run_dir, "eval_summary.json"), "w") as f:

@@ -45,7 +45,7 @@ from rlcli.algos.losses import POLICY_LOSSES
 from rlcli.batch import RolloutBatch
 from rlcli.config import batch_units
 from rlcli.data import PromptStream, load_split
-from rlcli.engine.collectives import agree_min, all_reduce, global_stats
+from rlcli.engine.collectives import agree_max, agree_min, all_reduce, global_stats
 from rlcli.metrics import MetricsLogger, Timer, peak_mem_gb
 from rlcli.models import DTYPES, load_policy, resolve_model_path, response_logprobs
 from rlcli.models.value import (
@@ -56,7 +56,7 @@ from rlcli.models.value import (
     response_values,
 )
 from rlcli.rewards import RewardManager
-from rlcli.rollout import ROLLOUT_ENGINES
+from rlcli.rollout import ROLLOUT_ENGINES, Sampling
 from rlcli.rollout.sampler import DynamicSamplingExhausted, GroupSampler
 from rlcli.rollout.shaping import shape
 from rlcli.summary import startup_summary
@@ -64,6 +64,20 @@ from rlcli.summary import startup_summary
 __all__ = ["DynamicSamplingExhausted", "Trainer", "seed_everything"]
 
 REWARD_COUNTS = ("timeouts", "errors", "restarts")  # reward metrics that are counts: summed, not averaged
+
+
+def split_to(parts: list[list[int]], k: int) -> list[list[int]]:
+    """`parts` made `k` parts (k >= len(parts)) by halving the largest part while one has two rows or
+    more, then adding empty parts: ranks of a lockstep run agree on the number of forward passes."""
+    parts = [list(p) for p in parts]
+    while len(parts) < k:
+        big = max(range(len(parts)), key=lambda i: len(parts[i]), default=None)
+        if big is None or len(parts[big]) < 2:
+            parts += [[] for _ in range(k - len(parts))]
+            break
+        p = parts.pop(big)
+        parts[big:big] = [p[: len(p) // 2], p[len(p) // 2 :]]
+    return parts
 
 
 def seed_everything(seed: int) -> None:
@@ -92,12 +106,17 @@ class Trainer:
             torch.distributed.barrier()
             if not self.main:
                 self.model_path, self.model_source = resolve_model_path(cfg.model, cfg.data)
-        model, self.tokenizer = load_policy(cfg.model, self.model_path)
+        self.lockstep = eng.lockstep(cfg.hw)  # ZeRO-3 over ranks: every forward is a collective
+        with eng.sharded_construction(cfg.hw, cfg.optim):  # ZeRO-3: each rank loads only its partition
+            model, self.tokenizer = load_policy(cfg.model, self.model_path)
         self.device = eng.device(cfg.hw)
-        model.to(self.device)
+        if not eng.is_partitioned(model):
+            model.to(self.device)
         # The KL reference: a frozen copy of the initial policy, never built when beta = 0; with LoRA the
         # policy module itself, scored with its adapters disabled (reference_logprobs).
-        self.ref = (model if cfg.model.lora.r else eng.frozen_copy(model)) if a.kl_coef > 0 else None
+        self.ref = None
+        if a.kl_coef > 0:
+            self.ref = model if cfg.model.lora.r else self.frozen_copy(model, lambda: load_policy(cfg.model, self.model_path)[0])
         self.optimizer_steps = cfg.steps * a.mini_batches * a.ppo_epochs
         self.actor = eng.Engine(model, cfg.hw, cfg.optim, self.optimizer_steps)
         self.kl_ctl = build_kl_controller(a)
@@ -106,7 +125,10 @@ class Trainer:
         self.v_pretrained: torch.nn.Module | None = None  # frozen pretrained critic (V_aug option)
         self.pretrain_steps = cfg.critic.pretrain_steps if a.value_pretrain else 0
         if a.adv_estimator in NEEDS_VALUES:
-            critic = load_critic(cfg.critic, self.model_path, DTYPES[cfg.model.dtype]).to(self.device)
+            with eng.sharded_construction(cfg.hw, cfg.optim):
+                critic = self.build_critic()
+            if not eng.is_partitioned(critic):
+                critic.to(self.device)
             if cfg.model.gradient_checkpointing:  # the critic is as large as the policy: the same trade
                 critic.activation_checkpointing_enable()
             self.critic = eng.Engine(
@@ -119,7 +141,7 @@ class Trainer:
         self.train_prompts = PromptStream(train, cfg.seed, cfg.data.shuffle, self.rank, self.world)
         evals, _ = load_split(cfg.data, "eval", cfg.seed, tokenizer=self.tokenizer)
         self.eval_examples = evals[: cfg.eval.size] if cfg.eval.size else evals
-        self.generate = ROLLOUT_ENGINES[r.engine]
+        self.rollout = ROLLOUT_ENGINES[r.engine](self.actor.module, self.tokenizer, cfg)
         self.sampler = GroupSampler(self.p_local, a.dynamic_sampling, a.filter_metric, a.max_gen_batches,
                                     a.train_on_partial, agree=agree_min)
         self.next_group = self.rank * 10**9  # group ids unique across ranks and steps
@@ -132,6 +154,14 @@ class Trainer:
             rows_from=os.path.join(self.resumed_from, "metrics.jsonl") if self.resumed_from else None,
             wandb_id=meta.get("wandb_id"),
         )
+
+    def build_critic(self) -> torch.nn.Module:
+        return load_critic(self.cfg.critic, self.model_path, DTYPES[self.cfg.model.dtype])
+
+    def frozen_copy(self, model: torch.nn.Module, build: Any) -> torch.nn.Module:
+        """An inference-only copy of `model`'s weights now; `build()` makes a module of its architecture
+        (needed under ZeRO-3, where the copy is made partition by partition: rlcli.engine.frozen_copy)."""
+        return eng.frozen_copy(model, self.cfg.hw, self.cfg.optim, build)
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, Any]:
@@ -201,14 +231,16 @@ class Trainer:
         self.actor.save(tmp, "actor")
         if self.critic is not None:
             self.critic.save(tmp, "critic")
+        if self.v_pretrained is not None:  # all ranks: under ZeRO-3 it is gathered from the partitions
+            v_state = eng.full_state_dict(self.v_pretrained)
+            if self.main:
+                torch.save(v_state, os.path.join(tmp, "v_pretrained.pt"))
         torch.save({
             "rng": ckpt.rng_state(), "prompts": self.train_prompts.state_dict(), "carry": self.sampler.carry,
             "next_group": self.next_group, "kl_coef": self.kl_ctl.value, "result": self.result,
             "train_seconds": train_seconds,
         }, os.path.join(tmp, f"rank_{self.rank}.pt"))
         if self.main:
-            if self.v_pretrained is not None:
-                torch.save(self.v_pretrained.state_dict(), os.path.join(tmp, "v_pretrained.pt"))
             self.logger.snapshot(os.path.join(tmp, "metrics.jsonl"))
             OmegaConf.save(cfg, os.path.join(tmp, "config.yaml"), resolve=True)
             with open(os.path.join(tmp, "meta.json"), "w") as f:
@@ -228,8 +260,8 @@ class Trainer:
         if self.critic is not None:
             self.critic.load(path, "critic")
         if os.path.exists(v_file := os.path.join(path, "v_pretrained.pt")):
-            self.v_pretrained = eng.frozen_copy(self.critic.module)
-            self.v_pretrained.load_state_dict(torch.load(v_file, map_location=self.device))
+            self.v_pretrained = self.frozen_copy(self.critic.module, self.build_critic)
+            eng.load_full_state_dict(self.v_pretrained, torch.load(v_file, map_location=self.device))
         state = torch.load(os.path.join(path, f"rank_{self.rank}.pt"), weights_only=False)
         self.train_prompts.load_state_dict(state["prompts"])
         self.sampler.carry = state["carry"]
@@ -237,6 +269,7 @@ class Trainer:
         self.start_step, self.result, self.train_seconds = meta["step"], state["result"], state["train_seconds"]
         ckpt.set_rng_state(state["rng"])  # last: building the trainer drew from the RNGs too
         self.actor.train()  # the mode the last update left it in
+        self.rollout.update_weights()  # the engine was built from the initial weights
         # The same run continues its wandb run; a branch into another run directory starts a new one.
         return meta if meta["run_dir"] == self.cfg.run_dir else {**meta, "wandb_id": None}
 
@@ -263,6 +296,8 @@ class Trainer:
         kl_metrics = self.update_kl_controller(batch, kl)
         with timer("update"):  # 6
             updated = self.update(batch)
+        with timer("sync"):  # the rollout engine samples from the new weights from now on
+            self.rollout.update_weights()
         n_tokens = all_reduce(batch.response_mask.sum()).item()
         rollout_s = timer.seconds.get("rollout", 0.0)  # 0 when carried groups filled the step
         return {
@@ -297,7 +332,7 @@ class Trainer:
             if c.pretrain_ev_threshold is not None and ev >= c.pretrain_ev_threshold:
                 break
         if c.aug_w0 is not None:
-            self.v_pretrained = eng.frozen_copy(self.critic.module)
+            self.v_pretrained = self.frozen_copy(self.critic.module, self.build_critic)
         self.sampler.carry = None  # groups sampled for pretraining never reach the actor
         return out
 
@@ -312,9 +347,8 @@ class Trainer:
         def sample() -> RolloutBatch:
             prompts = self.train_prompts.take(self.gen_p_local)
             with timer("rollout"):
-                b = self.generate(
-                    self.actor.module, self.tokenizer, [p["prompt"] for p in prompts], [p["answer"] for p in prompts],
-                    self.G, r.max_new_tokens, r.temperature, r.top_p, r.top_k, r.gen_batch_size,
+                b = self.rollout.generate(
+                    [p["prompt"] for p in prompts], [p["answer"] for p in prompts], self.G, Sampling.of_rollout(r),
                     group_offset=self.next_group, with_logprobs=a.rollout_correction != "none",
                 )  # [N_gen = gen_p_local * G rows]
             self.next_group += len(prompts)
@@ -373,6 +407,10 @@ class Trainer:
         out = torch.zeros(b.response_mask.shape)  # [N, T]
         with torch.no_grad():
             for idx in self.micro_batches(b):
+                if not len(idx):  # lockstep padding: a rank with fewer rows still joins the gathers
+                    one = torch.full((1, 1), self.tokenizer.pad_token_id)
+                    fn(one, torch.ones_like(one), one, torch.ones(1, 1))
+                    continue
                 mb = b.select(idx).trimmed()
                 v = fn(mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask).cpu()  # [n, T']
                 out[idx, : v.shape[1]] = v
@@ -403,7 +441,7 @@ class Trainer:
         out: dict[str, Tensor] = {}
         kl_in_reward = self.ref is not None and self.cfg.algo.kl_in_reward
         fresh = (~batch.stale).nonzero().squeeze(-1)  # [n_fresh]
-        if (not self.on_policy if actor else kl_in_reward) and len(fresh):
+        if not self.on_policy if actor else kl_in_reward:  # no fresh rows: nothing (lockstep: dummy passes)
             old = batch.old_logp.clone() if batch.old_logp is not None else torch.zeros_like(batch.response_mask)
             old[fresh] = self.logprobs(self.actor.module, batch.select(fresh))
             out["old_logp"] = old
@@ -611,6 +649,8 @@ class Trainer:
                 wider = (tp[i], t[i])
             parts[-1].append(i)
             width = wider
+        if self.lockstep:  # every rank runs as many forward passes as the rank that needs most
+            parts = split_to(parts, agree_max(len(parts)))
         return [torch.tensor(p, dtype=torch.long) for p in parts]
 
     # ------------------------------------------------------------------ evaluation & reporting
@@ -619,12 +659,16 @@ class Trainer:
         from rlcli.eval import metrics, sample_and_verify
 
         shard = self.eval_examples[self.rank :: self.world]
+        pad = 0
+        if self.lockstep:  # equal shards, so every rank runs the same generation calls; padding is dropped
+            pad = -(-len(self.eval_examples) // self.world) - len(shard)
+            shard = shard + self.eval_examples[:1] * pad
         # Seeded and on a forked RNG: the numbers do not depend on when evaluation runs, and evaluation
         # never moves the RNG training samples from (so eval.* may change on resume).
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(self.cfg.seed)
-            rows = sample_and_verify(self.actor.module, self.tokenizer, shard, self.cfg.eval, self.cfg.rollout,
-                                     self.rewards)
+            rows = sample_and_verify(self.rollout, shard, self.cfg.eval, self.cfg.rollout, self.rewards)
+        rows = rows[: len(rows) - pad]
         if self.world > 1:
             gathered: list[Any] = [None] * self.world
             torch.distributed.all_gather_object(gathered, rows)

@@ -312,18 +312,21 @@ def test_zero3_saves_the_trained_policy_gathered(tmp_path, cache):
     from the same samples, its update (saved - initial) equals the ZeRO-0 run's update. Adam's first step is
     lr * g / (|g| + eps), about ±lr per entry, so the two updates differ only where rounding flips the sign
     of a near-zero gradient entry: the relative L2 difference stays below 1e-3 (measured: 2e-5), where
-    saving the initial or partial weights would give 1."""
-    base = ["steps=1", "eval.before=false", *FAST]
-    z0, z3 = tmp_path / "z0", tmp_path / "z3"
-    train(tmp_path, cache, *base, f"hydra.run.dir={z0}")
-    train(tmp_path, cache, *base, "hw.zero_stage=3", f"hydra.run.dir={z3}")
+    saving the initial or partial weights would give 1. The same holds with ZeRO-3's parameters and the
+    optimizer offloaded to CPU memory (hw.offload_params, hw.offload_optimizer: DeepSpeed's CPU Adam)."""
     from safetensors.torch import load_file
 
-    a, b = policy_tensors(z0), policy_tensors(z3)
+    base = ["steps=1", "eval.before=false", *FAST]
+    z0 = tmp_path / "z0"
+    train(tmp_path, cache, *base, f"hydra.run.dir={z0}")
+    a = policy_tensors(z0)
     init = load_file(str(next((cache / "warm_start").iterdir()) / "model.safetensors"))
-    assert a.keys() == b.keys()
-    for k in a:
-        assert b[k].shape == a[k].shape and b[k].numel() > 0, k
     moved = torch.cat([(a[k] - init[k]).flatten() for k in a])
-    gap = torch.cat([(b[k] - a[k]).flatten() for k in a])
-    assert moved.norm() > 0 and gap.norm() / moved.norm() < 1e-3
+    for name, extra in [("z3", []), ("z3_offload", ["hw.offload_params=true", "hw.offload_optimizer=true"])]:
+        train(tmp_path, cache, *base, "hw.zero_stage=3", *extra, f"hydra.run.dir={tmp_path / name}")
+        b = policy_tensors(tmp_path / name)
+        assert a.keys() == b.keys()
+        for k in a:
+            assert b[k].shape == a[k].shape and b[k].numel() > 0, k
+        gap = torch.cat([(b[k] - a[k]).flatten() for k in a])
+        assert moved.norm() > 0 and gap.norm() / moved.norm() < 1e-3, name

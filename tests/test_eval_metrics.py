@@ -164,7 +164,7 @@ def test_eval_per_prompt_answers_use_the_reward_extractor(monkeypatch):
     texts = [t for t, _ in TRICKY] + ["\\boxed{" * 100 + "1" + "}" * 100]
     texts += ["pad"] * (-len(texts) % 4)  # k = 4 responses per prompt
 
-    def fake_generate(model, tokenizer, prompts, answers, k, *args):
+    def fake_generate(prompts, answers, k, sampling):
         rows = texts[: len(prompts) * k]
         return SimpleNamespace(
             texts=rows,
@@ -173,7 +173,6 @@ def test_eval_per_prompt_answers_use_the_reward_extractor(monkeypatch):
             truncated=torch.zeros(len(rows), dtype=torch.bool),
         )
 
-    monkeypatch.setattr(rlcli.eval, "generate", fake_generate)
     examples = [{"prompt": f"q{i}", "answer": "1"} for i in range(len(texts) // 4)]
     eval_cfg = SimpleNamespace(k=4, batch_prompts=len(examples), max_new_tokens=8, temperature=1.0, top_p=1.0)
     rollout_cfg = SimpleNamespace(max_new_tokens=8, gen_batch_size=8)
@@ -181,7 +180,8 @@ def test_eval_per_prompt_answers_use_the_reward_extractor(monkeypatch):
     def rewards(responses, ground_truths):
         return SimpleNamespace(acc=torch.zeros(len(responses)))
 
-    per_prompt = rlcli.eval.sample_and_verify(None, None, examples, eval_cfg, rollout_cfg, rewards)
+    engine = SimpleNamespace(generate=fake_generate)
+    per_prompt = rlcli.eval.sample_and_verify(engine, examples, eval_cfg, rollout_cfg, rewards)
     got = [a for p in per_prompt for a in p["answers"]]
     assert got == [extract_final_answer_or_none(t) for t in texts]
     assert got[: len(TRICKY)] == [rlcli.rewards.functions.extract_final_answer(t) for t, _ in TRICKY]

@@ -126,7 +126,8 @@ def test_micro_batches_pack_rows_by_length_within_both_caps_and_cover_each_row_o
         response_ids=torch.zeros(n, t, dtype=torch.long), response_mask=(torch.arange(t) < rlen[:, None]).float(),
         truncated=torch.zeros(n, dtype=torch.bool), group_index=torch.arange(n), answers=[""] * n, texts=[""] * n,
     )
-    trainer = SimpleNamespace(cfg=SimpleNamespace(hw=SimpleNamespace(micro_batch=8, max_tokens_per_micro_batch=120)))
+    trainer = SimpleNamespace(cfg=SimpleNamespace(hw=SimpleNamespace(micro_batch=8, max_tokens_per_micro_batch=120)),
+                              lockstep=False)
     parts = Trainer.micro_batches(trainer, b)
     assert sorted(torch.cat(parts).tolist()) == list(range(n))
     slots = 0
@@ -138,3 +139,15 @@ def test_micro_batches_pack_rows_by_length_within_both_caps_and_cover_each_row_o
     unsorted = sum(b.select(idx).trimmed().prompt_ids.numel() + b.select(idx).trimmed().response_ids.numel()
                    for idx in torch.arange(n).split([len(p) for p in parts]))
     assert slots < unsorted
+
+
+def test_split_to_gives_lockstep_ranks_the_same_number_of_micro_batches():
+    """ZeRO-3 over ranks: a rank with fewer micro-batches halves its largest ones (every row still once, in
+    order), and a rank with fewer rows than micro-batches adds empty ones (dummy forward passes)."""
+    from rlcli.trainer import split_to
+
+    assert split_to([[0, 1, 2, 3, 4], [5]], 2) == [[0, 1, 2, 3, 4], [5]]
+    assert split_to([[0, 1, 2, 3, 4], [5]], 3) == [[0, 1], [2, 3, 4], [5]]
+    assert split_to([[0, 1, 2, 3, 4], [5]], 4) == [[0, 1], [2], [3, 4], [5]]
+    assert split_to([[0], [1]], 4) == [[0], [1], [], []]
+    assert split_to([], 2) == [[], []]

@@ -212,12 +212,29 @@ def test_two_processes_and_micro_batches_give_the_same_step(tmp_path, agg, algo)
             assert (other["grads"][n] - g).abs().max().item() <= 1e-5 * scale + 1e-12, n
 
 
-def test_cpu_x2_dynamic_sampling_with_train_on_partial_never_deadlocks(tmp_path):
+@pytest.mark.parametrize("zero_stage", [1, 2, 3])
+def test_zero_stages_accumulate_micro_batches(tmp_path, zero_stage):
+    """The loop runs forward passes on the module, not through DeepSpeed's engine.forward, where ZeRO's
+    optimizers close a micro-step; without that each ZeRO-3 backward overwrote the gradient partitions and
+    only the last micro-batch's gradient was applied (grad norm 1.54 instead of 2.95 here). One micro-batch
+    at ZeRO-0 and micro-batches of 3 rows at ZeRO-1/2/3 must give the same gradient norm (1e-5 relative:
+    summation order)."""
+    base = one_update(tmp_path, "one", 1)
+    micro = one_update(tmp_path, "micro", 1, [f"hw.zero_stage={zero_stage}", "hw.micro_batch=3"])
+    for k in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
+        assert micro["metrics"][k] == pytest.approx(base["metrics"][k], rel=1e-5, abs=1e-7), k
+
+
+@pytest.mark.parametrize("zero_stage", [0, 3])
+def test_cpu_x2_dynamic_sampling_with_train_on_partial_never_deadlocks(tmp_path, zero_stage):
     """Two ranks keep different numbers of informative groups when the generation cap is hit. They must
     agree on one count (the minimum) and so run the same optimizer steps and collectives: the run
-    finishes (the subprocess timeout turns a deadlock into a failure) and rank 0 logs global counts."""
+    finishes (the subprocess timeout turns a deadlock into a failure) and rank 0 logs global counts.
+    Under ZeRO-3 every forward pass is a collective too: ranks carrying different numbers of groups still
+    run the same old-log-prob passes."""
     run = tmp_path / "run"
-    rlcli(tmp_path, "train", "hw=cpu_x2", "algo=dapo", "steps=2", "save=false", "eval.before=false",
+    rlcli(tmp_path, "train", "hw=cpu_x2", f"hw.zero_stage={zero_stage}", "hw.collective_timeout_s=120", "algo=dapo",
+          "steps=2", "save=false", "eval.before=false",
           "data.eval_size=4", "algo.filter_metric=score", "rollout.overlong_buffer_len=4",
           "algo.max_gen_batches=1", "algo.train_on_partial=true", "rollout.prompts_per_step=16",
           "rollout.gen_prompts_per_step=16", "rollout.n=2", "algo.mini_batches=2", f"hydra.run.dir={run}", *FAST[3:], timeout=300)
@@ -229,27 +246,72 @@ def test_cpu_x2_dynamic_sampling_with_train_on_partial_never_deadlocks(tmp_path)
         assert r["actor/grad_norm"] > 0
 
 
-def test_two_nodes_on_localhost_train_like_cpu_x2(tmp_path):
+COMMON_X2 = ["steps=3", "eval.before=false", "hw.num_threads=1", "hw.micro_batch=64", *FAST]
+
+
+def train_steps(run):
+    return [r for r in (json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()) if "actor/pg_loss" in r]
+
+
+@pytest.fixture(scope="module")
+def x2_run(tmp_path_factory):
+    """3 GRPO steps (with its KL reference) of hw=cpu_x2 at ZeRO-0: the baseline of the launch and ZeRO tests."""
+    tmp = tmp_path_factory.mktemp("x2")
+    rlcli(tmp, "train", "hw=cpu_x2", f"hydra.run.dir={tmp / 'run'}", *COMMON_X2)
+    return tmp / "run"
+
+
+def test_two_nodes_on_localhost_train_like_cpu_x2(tmp_path, x2_run):
     """Multi-node launch: two `rlcli train` commands, one per "node" (hw.nnodes=2, hw.node_rank=0|1, one
     process each, rendezvous at 127.0.0.1), train 3 steps as one world of 2 ranks, with the same step-1
     loss and statistics as hw=cpu_x2 (the same two ranks launched on one node)."""
     from rlcli.engine import free_port
 
-    common = ["steps=3", "save=false", "eval.before=false", "hw.num_threads=1", "hw.micro_batch=64", *FAST]
-    rlcli(tmp_path, "train", "hw=cpu_x2", f"hydra.run.dir={tmp_path / 'x2'}", *common)
     port = free_port()
     nodes = [subprocess.Popen(
         [sys.executable, "-m", "rlcli.cli", "train", "hw.nnodes=2", f"hw.node_rank={r}", "hw.master_addr=127.0.0.1",
-         f"hw.master_port={port}", f"hydra.run.dir={tmp_path / 'nodes'}", *common],
+         f"hw.master_port={port}", f"hydra.run.dir={tmp_path / 'nodes'}", "save=false", *COMMON_X2],
         cwd=tmp_path, env=env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
     outs = [p.communicate(timeout=600)[0] for p in nodes]
     assert [p.returncode for p in nodes] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
     assert "world size 2" in outs[0] and "--nnodes=2 --node_rank=1" in outs[1]
-
-    def steps(run):
-        return [r for r in (json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()) if "actor/pg_loss" in r]
-
-    x2, two_nodes = steps(tmp_path / "x2"), steps(tmp_path / "nodes")
+    x2, two_nodes = train_steps(x2_run), train_steps(tmp_path / "nodes")
     assert [r["step"] for r in two_nodes] == [1, 2, 3]
     for k in ("actor/pg_loss", "actor/grad_norm", "reward/mean", "acc/mean", "response_length/mean"):
         assert two_nodes[0][k] == pytest.approx(x2[0][k], rel=1e-6, abs=1e-9), k
+
+
+def test_zero3_over_two_ranks_trains_like_zero0(tmp_path, x2_run):
+    """hw=cpu_x2 hw.zero_stage=3: the policy and the KL reference are built partitioned (each rank loads its
+    share), generation runs with synchronised ranks, and token-budget micro-batches (different counts on
+    each rank before they agree) keep every forward pass a matched collective. It must train the same 3
+    steps as ZeRO-0 and save the same full policy.
+
+    Tolerances: step metrics 1e-5 relative (float32 summation order: ZeRO-3 reduce-scatters gradients in
+    buckets, and micro-batches split the sums differently); a wrong normalizer or a rank's missing share
+    moves actor/grad_norm by a factor, a wrong reference moves actor/kl_loss. Final weights: 3 Adam steps at
+    lr 1e-3 move each entry by about 3e-3, and near-zero gradient entries turn rounding noise into update
+    differences well below lr: measured at most 1.3e-5 on an entry after 3 steps, asserted 1e-4; a policy
+    saved from one rank's partition, or not saved after training, is off by the whole update (3e-3)."""
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "z3"
+    out = rlcli(tmp_path, "train", "hw=cpu_x2", "hw.zero_stage=3", "hw.collective_timeout_s=120",
+                "hw.max_tokens_per_micro_batch=200", f"hydra.run.dir={run}", *COMMON_X2)
+    assert "ZeRO-3" in out.stdout and "parameters     0.00M" not in out.stdout
+    z0, z3 = train_steps(x2_run), train_steps(run)
+    assert [r["step"] for r in z3] == [1, 2, 3]
+    for r0, r3 in zip(z0, z3):
+        for k in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "reward/mean", "acc/mean",
+                  "response_length/mean", "adv/std"):
+            assert r3[k] == pytest.approx(r0[k], rel=1e-5, abs=1e-7), (r0["step"], k)
+    assert z3[1]["actor/kl_loss"] > 0  # the reference differs from the policy after step 1
+    assert max(r["perf/padding_frac"] for r in z3) < max(r["perf/padding_frac"] for r in z0)  # packed tighter
+    a = AutoModelForCausalLM.from_pretrained(x2_run / "policy").state_dict()
+    b = AutoModelForCausalLM.from_pretrained(run / "policy").state_dict()
+    init_path = out.stdout.split("model          tiny: ")[1].split(" ")[0]
+    init = AutoModelForCausalLM.from_pretrained(init_path).state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert (a[k] - init[k]).abs().max().item() > 2e-3, k  # trained
+        assert (a[k] - b[k]).abs().max().item() <= 1e-4, k

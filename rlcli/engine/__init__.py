@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -69,11 +71,20 @@ def device(hw: Any) -> torch.device:
     return torch.device("cpu")
 
 
+def lockstep(hw: Any) -> bool:
+    """Whether every forward and backward of a model is a collective: ZeRO-3 over several ranks gathers
+    each layer's parameters from all ranks as it runs, so all ranks must run the same number of forward
+    passes (generation steps, micro-batches, evaluation batches) in the same order."""
+    return hw.zero_stage == 3 and world_size() > 1
+
+
 def ds_config(hw: Any, optim: Any) -> dict[str, Any]:
     """The DeepSpeed config dict built from the `hw` and `optim` groups."""
     zero: dict[str, Any] = {"stage": hw.zero_stage}
     if hw.offload_optimizer and hw.zero_stage > 0:
         zero["offload_optimizer"] = {"device": "cpu"}
+    if hw.offload_params and hw.zero_stage == 3:
+        zero["offload_param"] = {"device": "cpu"}
     return {
         # The loop feeds variable micro-batches and owns the boundary; these two only satisfy
         # DeepSpeed's batch bookkeeping.
@@ -108,14 +119,16 @@ class Engine:
         lr: float | None = None, warmup_steps: int | None = None,
     ):
         import deepspeed
+        import deepspeed.ops.adam
         from transformers import get_scheduler
 
         lr = optim.lr if lr is None else lr
         warmup_steps = optim.warmup_steps if warmup_steps is None else warmup_steps
         params = [p for p in model.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(
-            params, lr=lr, betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay
-        )
+        # With the optimizer offloaded, the Adam step runs on the CPU over the fp32 master partition:
+        # DeepSpeed's vectorised CPU Adam (JIT-built once, ~50 s) in AdamW mode, the same update as torch's.
+        adamw = deepspeed.ops.adam.DeepSpeedCPUAdam if hw.offload_optimizer else torch.optim.AdamW
+        opt = adamw(params, lr=lr, betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay)
         self.ds, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=opt, config=ds_config(hw, optim)
         )
@@ -139,6 +152,11 @@ class Engine:
     def backward(self, loss: torch.Tensor, last: bool) -> None:
         self.ds.set_gradient_accumulation_boundary(last)
         self.ds.backward(loss * world_size(), scale_wrt_gas=False)
+        if hasattr(self.ds.optimizer, "clear_backward_seen_flag"):
+            # DeepSpeed's own forward() calls this first thing: it closes the micro-step, so the next backward
+            # adds to the ZeRO-3 gradient partitions instead of overwriting them (micro_step_id). The loop runs
+            # its forward passes on the module itself, so it closes the micro-step here.
+            self.ds.optimizer.clear_backward_seen_flag()
 
     def step(self) -> StepResult:
         """Apply the accumulated gradient unless its global norm is not finite (then skip and count it).
@@ -211,14 +229,55 @@ def _as_float(norm: Any) -> float:
     return float(norm.item() if isinstance(norm, torch.Tensor) else norm)
 
 
-def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """An inference-only copy (the KL reference policy): no grads, eval mode."""
+@contextmanager
+def sharded_construction(hw: Any, optim: Any) -> Iterator[None]:
+    """Under ZeRO-3, models loaded with `from_pretrained` inside this block are partitioned over the ranks
+    as they are built (transformers runs DeepSpeed's `zero.Init` while a `HfDeepSpeedConfig` is alive), so
+    no rank ever holds a whole copy. A no-op at ZeRO 0-2. The config object lives only for the block: later
+    loads (evaluation, `rlcli eval`) are ordinary."""
+    if hw.zero_stage != 3:
+        yield
+        return
+    from transformers.integrations import HfDeepSpeedConfig
+
+    alive = HfDeepSpeedConfig(ds_config(hw, optim))  # transformers holds only a weak reference to it
+    try:
+        yield
+    finally:
+        del alive
+
+
+def frozen_copy(model: torch.nn.Module, hw: Any, optim: Any,
+                build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    """An inference-only copy of `model`'s current weights (the KL reference policy): no grads, eval mode.
+
+    At ZeRO 0-2 a deep copy. Under ZeRO-3 `model`'s parameters are partitions, so `build()` makes a new
+    module of the same architecture inside `sharded_construction`, DeepSpeed wraps it without an optimizer
+    (each rank keeps a partition; forward passes gather layers as the policy's do), and each rank copies its
+    own partition of every parameter from `model`: nothing is gathered whole."""
     import copy
 
-    ref = copy.deepcopy(model).eval()
+    import deepspeed
+
+    if not is_partitioned(model):
+        ref = copy.deepcopy(model)
+    else:
+        with sharded_construction(hw, optim):
+            ref = build()
+        config = ds_config(hw, optim)
+        config["zero_optimization"].pop("offload_optimizer", None)
+        ref = deepspeed.initialize(model=ref, config=config)[0].module
+        with torch.no_grad():
+            for src, dst in zip(model.parameters(), ref.parameters(), strict=True):
+                dst.ds_tensor.copy_(src.ds_tensor)
     for p in ref.parameters():
         p.requires_grad_(False)
-    return ref
+    return ref.eval()
+
+
+def is_partitioned(module: torch.nn.Module) -> bool:
+    """Whether `module`'s parameters are ZeRO-3 partitions (each rank holds a slice of each)."""
+    return any(hasattr(p, "ds_id") for p in module.parameters())
 
 
 def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
@@ -227,7 +286,7 @@ def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
     tensor). All ranks call it."""
     import deepspeed
 
-    if not any(hasattr(p, "ds_id") for p in module.parameters()):  # not partitioned (ZeRO 0-2)
+    if not is_partitioned(module):  # ZeRO 0-2
         return module.state_dict() if rank() == 0 else None
     out: dict[str, torch.Tensor] | None = {} if rank() == 0 else None
     for name, p in module.named_parameters():
@@ -238,6 +297,21 @@ def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
         persistent = module.state_dict().keys()
         out.update({n: b.detach().cpu() for n, b in module.named_buffers() if n in persistent})
     return out
+
+
+def load_full_state_dict(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load a whole state dict (as `full_state_dict` saved it) into `module`. Under ZeRO-3 rank 0 writes
+    each parameter while it is gathered and DeepSpeed re-partitions it. All ranks call it."""
+    import deepspeed
+
+    if not is_partitioned(module):
+        module.load_state_dict(state)
+        return
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
+                if rank() == 0:
+                    p.copy_(state[name])
 
 
 def merged_lora_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:

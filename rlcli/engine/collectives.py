@@ -23,6 +23,11 @@ def agree_min(k: int) -> int:
     return int(all_reduce(torch.tensor([k], dtype=torch.long), "min").item())
 
 
+def agree_max(k: int) -> int:
+    """The largest `k` over all ranks."""
+    return int(all_reduce(torch.tensor([k], dtype=torch.long), "max").item())
+
+
 def global_stats(values: dict[str, Tensor]) -> dict[str, dict[str, float]]:
     """{name: 1-D values on this rank} -> {name: {mean, std, max, n}} over every rank's values.
 

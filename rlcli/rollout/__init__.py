@@ -1,12 +1,22 @@
 """Rollout: generation engines, reward shaping, and whole-group sampling (dynamic sampling, carry).
 
-Engines are registered in ROLLOUT_ENGINES under their `rollout.engine` name and share one signature,
-that of `rlcli.rollout.hf.generate`: prompts, answers and sampling settings -> a RolloutBatch of whole
-groups (token ids, masks, `truncated`, optionally the sampler's own log-probs `rollout_logp`).
+Engines are registered in ROLLOUT_ENGINES under their `rollout.engine` name. Each is a class built once
+per training process, `Engine(policy_module, tokenizer, cfg)`, with two methods:
+
+    generate(prompts, answers, n, sampling: Sampling, group_offset=0, with_logprobs=False) -> RolloutBatch
+        whole groups (prompt i owns rows i*n .. i*n+n-1): token ids, masks, `truncated`, and with
+        `with_logprobs` the sampler's own log-probs of the sampled tokens (`rollout_logp` [N, T])
+    update_weights()
+        called after every optimizer step: the engine samples from the new weights from then on
+
+The loop never knows which engine it has.
 """
 
 from rlcli.registry import Registry
-from rlcli.rollout.hf import generate
+from rlcli.rollout.hf import HFEngine
+from rlcli.rollout.sampling import Sampling
+
+__all__ = ["ROLLOUT_ENGINES", "Sampling"]
 
 ROLLOUT_ENGINES = Registry("rollout engine")
-ROLLOUT_ENGINES.register("hf")(generate)
+ROLLOUT_ENGINES.register("hf")(HFEngine)

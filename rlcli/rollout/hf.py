@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from rlcli.batch import RolloutBatch
+from rlcli.rollout.sampling import Sampling
 
 
 def response_mask_from_ids(response_ids: Tensor, eos_id: int) -> tuple[Tensor, Tensor]:
@@ -68,12 +69,15 @@ def generate(
     batch_size: int = 128,
     group_offset: int = 0,
     with_logprobs: bool = False,
+    synced_gpus: bool = False,
 ) -> RolloutBatch:
     """Sample `n` responses for each prompt. Rows are grouped: prompt i owns rows i*n .. i*n+n-1.
 
     temperature == 0 means greedy decoding (evaluation only). `with_logprobs` also returns the
     sampler's own log-probs of the sampled tokens (`rollout_logp`, from the processed scores generate
     sampled from; this keeps [b, V] scores per generated token, so ask for it only when it is used).
+    `synced_gpus` (ZeRO-3 over several ranks, where each forward gathers parameters from all ranks): every
+    rank keeps stepping until all ranks' batches are done.
     """
     device = next(model.parameters()).device
     tokenizer.padding_side = "left"
@@ -90,7 +94,7 @@ def generate(
             ids = prompt_ids[s : s + batch_size].to(device)
             am = prompt_mask[s : s + batch_size].to(device)
             out = model.generate(input_ids=ids, attention_mask=am, generation_config=config,
-                                 output_scores=with_logprobs, return_dict_in_generate=True)
+                                 output_scores=with_logprobs, return_dict_in_generate=True, synced_gpus=synced_gpus)
             new = out.sequences[:, ids.shape[1] :]  # [b, t]
             chunks.append(new.cpu())
             if with_logprobs:
@@ -123,3 +127,23 @@ def generate(
         rollout_logp=rollout_logp,
         stale=torch.zeros(len(group_index), dtype=torch.bool),
     )
+
+
+class HFEngine:
+    """`rollout.engine=hf`: transformers `generate` on the training module itself, so it always samples
+    from the current weights (nothing to push after an update)."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, cfg: Any):
+        from rlcli.engine import lockstep
+
+        self.model, self.tokenizer = model, tokenizer
+        self.batch_size = cfg.rollout.gen_batch_size
+        self.synced = lockstep(cfg.hw)
+
+    def generate(self, prompts: list[str], answers: list[str], n: int, sampling: Sampling, group_offset: int = 0,
+                 with_logprobs: bool = False) -> RolloutBatch:
+        return generate(self.model, self.tokenizer, prompts, answers, n, sampling.max_new_tokens, sampling.temperature,
+                        sampling.top_p, sampling.top_k, self.batch_size, group_offset, with_logprobs, self.synced)
+
+    def update_weights(self) -> None:
+        """Nothing to do: generation reads the training module's parameters."""

@@ -97,8 +97,11 @@ class GroupSampler:
         take = min(held, self.need)
         batch = RolloutBatch.cat([p for p in parts if len(p)])
         groups = batch.groups
+        # Every rank records old log-probs, of an empty surplus too: under ZeRO-3 a forward pass is a
+        # collective, so ranks run the same passes whether or not they carry.
+        surplus = self.stale_copy(batch.select_groups(groups[take:]), record_old_logp)
+        self.carry = surplus if len(surplus) else None
         if len(groups) > take:
-            self.carry = self.stale_copy(batch.select_groups(groups[take:]), record_old_logp)
             batch = batch.select_groups(groups[:take])
         generated = sum(len(p.groups) for p in pool)
         counts = {
@@ -115,6 +118,5 @@ class GroupSampler:
         keeps the log-probs of the policy that sampled it."""
         old = b.old_logp.clone() if b.old_logp is not None else torch.zeros_like(b.response_mask)
         fresh = (~b.stale).nonzero().squeeze(-1)  # [n_fresh]
-        if len(fresh):
-            old[fresh] = record_old_logp(b.select(fresh))
+        old[fresh] = record_old_logp(b.select(fresh))
         return b.replace(old_logp=old, stale=torch.ones(len(b), dtype=torch.bool))

@@ -10,7 +10,7 @@ import sys
 import torch
 
 from rlcli.config import load_frozen
-from rlcli.rollout.hf import generate
+from rlcli.rollout import Sampling
 from rlcli.rollout.shaping import shape
 from rlcli.trainer import Trainer
 
@@ -21,8 +21,7 @@ def main() -> None:
     r = cfg.rollout
     torch.manual_seed(1234)
     prompts = t.train_prompts.examples[: r.prompts_per_step]
-    b = generate(t.actor.module, t.tokenizer, [p["prompt"] for p in prompts], [p["answer"] for p in prompts],
-                 r.n, r.max_new_tokens, r.temperature)
+    b = t.rollout.generate([p["prompt"] for p in prompts], [p["answer"] for p in prompts], r.n, Sampling.of_rollout(r))
     b, reward_counts = t.reward(b)
     b, _ = shape(b, cfg.algo, r)
     b = b.select_groups(b.groups[t.rank :: t.world])  # this rank's share of whole groups
