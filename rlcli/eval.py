@@ -76,7 +76,7 @@ def run_eval(cfg: Any) -> dict[str, float]:
         flush=True,
     )
     with RewardManager(cfg.reward) as rewards:
-        engine = ROLLOUT_ENGINES[cfg.rollout.engine](model, tokenizer, cfg)
+        engine = ROLLOUT_ENGINES[cfg.rollout.engine](model, tokenizer, path, cfg)
         per_prompt = sample_and_verify(engine, examples, e, cfg.rollout, rewards, progress=True)
     summary = metrics(per_prompt, e)
     os.makedirs(cfg.run_dir, exist_ok=True)

@@ -130,7 +130,7 @@ class Trainer:
             if not eng.is_partitioned(critic):
                 critic.to(self.device)
             if cfg.model.gradient_checkpointing:  # the critic is as large as the policy: the same trade
-                critic.activation_checkpointing_enable()
+                critic.gradient_checkpointing_enable()
             self.critic = eng.Engine(
                 critic, cfg.hw, cfg.optim, self.optimizer_steps + self.pretrain_steps * a.mini_batches * a.ppo_epochs,
                 lr=cfg.critic.lr, warmup_steps=cfg.critic.warmup_steps,
@@ -141,7 +141,7 @@ class Trainer:
         self.train_prompts = PromptStream(train, cfg.seed, cfg.data.shuffle, self.rank, self.world)
         evals, _ = load_split(cfg.data, "eval", cfg.seed, tokenizer=self.tokenizer)
         self.eval_examples = evals[: cfg.eval.size] if cfg.eval.size else evals
-        self.rollout = ROLLOUT_ENGINES[r.engine](self.actor.module, self.tokenizer, cfg)
+        self.rollout = ROLLOUT_ENGINES[r.engine](self.actor.module, self.tokenizer, self.model_path, cfg)
         self.sampler = GroupSampler(self.p_local, a.dynamic_sampling, a.filter_metric, a.max_gen_batches,
                                     a.train_on_partial, agree=agree_min)
         self.next_group = self.rank * 10**9  # group ids unique across ranks and steps
@@ -349,7 +349,8 @@ class Trainer:
             with timer("rollout"):
                 b = self.rollout.generate(
                     [p["prompt"] for p in prompts], [p["answer"] for p in prompts], self.G, Sampling.of_rollout(r),
-                    group_offset=self.next_group, with_logprobs=a.rollout_correction != "none",
+                    group_offset=self.next_group,
+                    with_logprobs=a.rollout_correction != "none" or self.rollout.logprobs_are_free,
                 )  # [N_gen = gen_p_local * G rows]
             self.next_group += len(prompts)
             with timer("reward"):
@@ -605,6 +606,12 @@ class Trainer:
         loss_mat, pm = POLICY_LOSSES[a.policy_loss](logp, old, mb.advantages.to(self.device), mask, a)  # [n, T]
         share = mask.sum().item() / norms["num_tokens"]  # this micro-batch's share of mini-batch tokens
         metrics = {f"actor/{k}": float(v) * share for k, v in pm.items()}
+        if mb.rollout_logp is not None:  # the sampler/trainer gap on the sampled tokens
+            sampler_logp = mb.rollout_logp.to(self.device)
+            gap = (old - sampler_logp).abs() * mask
+            metrics["rollout_corr/logp_diff_mean"] = float(gap.sum()) / norms["num_tokens"]
+            metrics["rollout_corr/logp_diff_max"] = float(gap.max()) if gap.numel() else 0.0
+            metrics["rollout_corr/kl"] = float((kl_estimate(sampler_logp, old, "k3") * mask).sum()) / norms["num_tokens"]
         if a.rollout_correction != "none":  # π_trainer / π_sampler on the sampling policy's tokens
             w, wm = rollout_correction_weights(
                 old - mb.rollout_logp.to(self.device), mask, level=a.rollout_correction,

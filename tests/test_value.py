@@ -438,13 +438,13 @@ def test_gradient_checkpointing_leaves_policy_and_critic_gradients_unchanged():
     grads = {}
     for ckpt in (False, True):
         if ckpt:
-            policy.activation_checkpointing_enable()
-            critic.activation_checkpointing_enable()
+            policy.gradient_checkpointing_enable()
+            critic.gradient_checkpointing_enable()
         policy.zero_grad()
         critic.zero_grad()
         response_logprobs(policy, ids, mask, resp, rmask, 1.0)[0].sum().backward()
         response_values(critic, ids, mask, resp, rmask).sum().backward()
         grads[ckpt] = {k: p.grad.clone() for m in (policy, critic) for k, p in m.named_parameters() if p.grad is not None}
-    assert policy.is_activation_checkpointing and critic.backbone.is_activation_checkpointing and len(grads[True]) == len(grads[False]) > 20
+    assert policy.is_gradient_checkpointing and critic.backbone.is_gradient_checkpointing and len(grads[True]) == len(grads[False]) > 20
     for k, g in grads[False].items():
         assert (grads[True][k] - g).abs().max() <= 1e-5 * g.abs().max() + 1e-12, k

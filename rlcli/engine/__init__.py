@@ -280,23 +280,43 @@ def is_partitioned(module: torch.nn.Module) -> bool:
     return any(hasattr(p, "ds_id") for p in module.parameters())
 
 
-def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
-    """The module's whole state dict on rank 0 (None on other ranks). Under ZeRO-3 every rank holds a
-    partition of each parameter, so parameters are gathered one at a time to rank 0's CPU (peak: one
-    tensor). All ranks call it."""
+def full_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) over the module's whole state dict, on every rank, one tensor at a time. Under ZeRO-3
+    each parameter is gathered only while it is yielded: use or copy it before taking the next. A peft LoRA
+    model yields its base weights with the adapters merged in (W + scale * B @ A) under the base model's own
+    names, computed aside (the model is unchanged). All ranks iterate it to the end together."""
     import deepspeed
 
-    if not is_partitioned(module):  # ZeRO 0-2
-        return module.state_dict() if rank() == 0 else None
-    out: dict[str, torch.Tensor] | None = {} if rank() == 0 else None
-    for name, p in module.named_parameters():
-        with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
-            if out is not None:
-                out[name] = p.detach().cpu().clone()
-    if out is not None:
+    if hasattr(module, "get_base_model"):  # peft LoRA (refused with ZeRO-3: the weights are whole here)
+        from peft.tuners.lora import LoraLayer
+
+        base = module.get_base_model()
+        delta = {name: m.get_delta_weight(m.active_adapters[0])
+                 for name, m in base.named_modules() if isinstance(m, LoraLayer)}
+        for key, value in base.state_dict().items():
+            if "lora_" not in key:
+                layer, _, leaf = key.rpartition(".base_layer.")
+                merged = value + delta[layer] if layer in delta and leaf == "weight" else value
+                yield (f"{layer}.{leaf}" if layer else key), merged.detach()
+    elif not is_partitioned(module):  # ZeRO 0-2
+        yield from ((n, t.detach()) for n, t in module.state_dict().items())
+    else:
+        for name, p in module.named_parameters():
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+                yield name, p.detach()
         persistent = module.state_dict().keys()
-        out.update({n: b.detach().cpu() for n, b in module.named_buffers() if n in persistent})
-    return out
+        yield from ((n, b.detach()) for n, b in module.named_buffers() if n in persistent)
+
+
+def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """`full_weights` collected on rank 0's CPU (None on other ranks; peak beyond it: one tensor). All ranks
+    call it."""
+    weights = full_weights(module)
+    if rank() != 0:
+        for _ in weights:  # join the gathers
+            pass
+        return None
+    return {name: t.cpu().clone() for name, t in weights}
 
 
 def load_full_state_dict(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -314,27 +334,6 @@ def load_full_state_dict(module: torch.nn.Module, state: dict[str, torch.Tensor]
                     p.copy_(state[name])
 
 
-def merged_lora_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
-    """The state dict of a peft LoRA model's base with every adapter merged in (W + scale * B @ A),
-    under the base model's own parameter names; computed aside, so the model itself is unchanged.
-    None on ranks other than 0."""
-    from peft.tuners.lora import LoraLayer
-
-    if rank() != 0:
-        return None
-    base = model.get_base_model()
-    delta = {name: m.get_delta_weight(m.active_adapters[0])
-             for name, m in base.named_modules() if isinstance(m, LoraLayer)}
-    out = {}
-    for key, value in base.state_dict().items():
-        if "lora_" in key:
-            continue
-        layer, _, leaf = key.rpartition(".base_layer.")
-        out[f"{layer}.{leaf}" if layer else key] = (
-            value + delta[layer] if layer in delta and leaf == "weight" else value).detach().cpu().clone()
-    return out
-
-
 def save_policy(module: torch.nn.Module, tokenizer: Any, path: str) -> None:
     """save_pretrained + tokenizer of the full (gathered) weights, written by rank 0 to a temp dir then
     renamed so a crash never leaves half a model. A LoRA policy is saved merged (W + the adapter's
@@ -342,10 +341,8 @@ def save_policy(module: torch.nn.Module, tokenizer: Any, path: str) -> None:
     All ranks call it."""
     import shutil
 
-    if hasattr(module, "get_base_model"):  # peft (LoRA is refused with ZeRO-3: the weights are whole here)
-        state, module = merged_lora_state_dict(module), module.get_base_model()
-    else:
-        state = full_state_dict(module)
+    state = full_state_dict(module)  # a LoRA policy merged, under its base model's names
+    module = module.get_base_model() if hasattr(module, "get_base_model") else module
     if rank() != 0:
         return
     tmp = path + ".tmp"

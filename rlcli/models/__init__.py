@@ -66,7 +66,7 @@ def load_policy(model_cfg: Any, path: str) -> tuple[torch.nn.Module, Any]:
         kwargs["attn_implementation"] = model_cfg.attn_implementation
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     if model_cfg.gradient_checkpointing:
-        model.activation_checkpointing_enable()
+        model.gradient_checkpointing_enable()
     if model_cfg.lora.r:
         model = with_lora(model, model_cfg.lora)
     tokenizer = load_tokenizer(model_cfg.tokenizer_path or path, model_cfg.trust_remote_code)

@@ -282,8 +282,8 @@ class ValueModel(nn.Module):
         os.replace(tmp, path)
         shutil.rmtree(old, ignore_errors=True)
 
-    def activation_checkpointing_enable(self, **kwargs: Any) -> None:
-        self.backbone.activation_checkpointing_enable(**kwargs)
+    def gradient_checkpointing_enable(self, **kwargs: Any) -> None:
+        self.backbone.gradient_checkpointing_enable(**kwargs)
 
     # ----------------------------------------------------------------- forward
     def forward(

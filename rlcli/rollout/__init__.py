@@ -1,7 +1,7 @@
 """Rollout: generation engines, reward shaping, and whole-group sampling (dynamic sampling, carry).
 
 Engines are registered in ROLLOUT_ENGINES under their `rollout.engine` name. Each is a class built once
-per training process, `Engine(policy_module, tokenizer, cfg)`, with two methods:
+per training process, `Engine(policy_module, tokenizer, policy_path, cfg)`, with two methods:
 
     generate(prompts, answers, n, sampling: Sampling, group_offset=0, with_logprobs=False) -> RolloutBatch
         whole groups (prompt i owns rows i*n .. i*n+n-1): token ids, masks, `truncated`, and with
@@ -9,14 +9,20 @@ per training process, `Engine(policy_module, tokenizer, cfg)`, with two methods:
     update_weights()
         called after every optimizer step: the engine samples from the new weights from then on
 
+and a class attribute `logprobs_are_free`: whether `rollout_logp` costs nothing extra, so the loop asks
+for it every step (the rollout_corr/logp_diff_* and rollout_corr/kl metrics) and not only when
+algo.rollout_correction needs it.
+
 The loop never knows which engine it has.
 """
 
 from rlcli.registry import Registry
 from rlcli.rollout.hf import HFEngine
 from rlcli.rollout.sampling import Sampling
+from rlcli.rollout.vllm import VLLMEngine
 
 __all__ = ["ROLLOUT_ENGINES", "Sampling"]
 
 ROLLOUT_ENGINES = Registry("rollout engine")
 ROLLOUT_ENGINES.register("hf")(HFEngine)
+ROLLOUT_ENGINES.register("vllm")(VLLMEngine)

@@ -133,12 +133,16 @@ class HFEngine:
     """`rollout.engine=hf`: transformers `generate` on the training module itself, so it always samples
     from the current weights (nothing to push after an update)."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, cfg: Any):
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, path: str, cfg: Any):
         from rlcli.engine import lockstep
 
         self.model, self.tokenizer = model, tokenizer
         self.batch_size = cfg.rollout.gen_batch_size
         self.synced = lockstep(cfg.hw)
+
+    # Its sampler log-probs cost [rows, vocab] of kept scores per generated token: only asked for when
+    # algo.rollout_correction uses them.
+    logprobs_are_free = False
 
     def generate(self, prompts: list[str], answers: list[str], n: int, sampling: Sampling, group_offset: int = 0,
                  with_logprobs: bool = False) -> RolloutBatch:

