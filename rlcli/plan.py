@@ -28,7 +28,7 @@ from typing import Any
 
 GIB = 2**30
 # Measured: peak RSS of `python -c "import rlcli.trainer, rlcli.cli"` (python, torch, transformers, DeepSpeed,
-# hydra), 0.34 GiB on 2026-11-24 with torch 2.13.0 CPU (docs/memory.md, "Runtime baseline"). Counted on CPU,
+# hydra), 0.34 GiB on 2026-11-23 with torch 2.13.0 CPU (docs/memory.md, "Runtime baseline"). Counted on CPU,
 # where the device memory is the process's RAM; on a GPU the process's host memory is not device memory.
 CPU_RUNTIME_GIB = 0.34
 # DeepSpeed's defaults for the buffers we do not set (https://www.deepspeed.ai/docs/config-json/):
