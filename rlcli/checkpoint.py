@@ -50,6 +50,7 @@ MAY_CHANGE = frozenset({
     "steps", "run_dir", "resume", "save", "data.report_bad_rows",
     "hw.micro_batch", "hw.max_tokens_per_micro_batch", "hw.logits_chunk", "hw.num_threads", "hw.shm_comm", "hw.master_port",
     "hw.collective_timeout_s", "hw.shutdown_timeout_s", "rollout.gen_batch_size", "reward.num_workers",
+    "hw.device_memory_gb", "hw.check_memory",  # the memory check before training, not the run
     "hw.node_rank", "hw.master_addr",  # each node of a multi-node run checks the config node 0 wrote
 })
 MAY_CHANGE_GROUPS = ("checkpoint.", "logger.", "eval.", "ladder.")

@@ -1,4 +1,4 @@
-"""`rlcli <command> [hydra overrides]`: train | sft | eval | ladder | plot | explain.
+"""`rlcli <command> [hydra overrides]`: train | sft | eval | plan | ladder | plot | explain.
 
 Compose once, freeze, fan out (docs/design.md#config): this process composes the config with Hydra,
 validates it, writes run_dir/config.yaml, then trains in-process (hw.nproc == 1) or launches
@@ -20,6 +20,7 @@ COMMANDS = {
     "train": "RL training: rollout -> reward -> shaping -> scoring -> advantage -> update.",
     "eval": "Sample eval.k responses per held-out prompt: acc_avg@k, pass@k, maj@k, length, truncation.",
     "sft": "Supervised warm-start of the embedded tiny model on the embedded task (cached).",
+    "plan": "Per-device memory of a config (weights ... KV cache) vs the device, and fixes (--help).",
     "explain": "Print every config key with its type, default and meaning (optionally one group).",
     "ladder": "Run a paper's ablation ladder (recipes/<paper>/) over seeds; table + figure (--help).",
     "plot": "Training-curve figure of run or sweep directories (--help).",
@@ -79,9 +80,11 @@ def train_job(cfg: Any) -> dict[str, Any] | None:
 
     from rlcli import checkpoint
     from rlcli.config import validate
+    from rlcli.plan import check_fits
 
     _run_dir(cfg)
     validate(cfg)
+    check_fits(cfg)  # the memory estimate (`rlcli plan`), before anything is loaded
     resume = checkpoint.resolve(cfg.resume, cfg.run_dir)
     if resume is not None:
         checkpoint.check_compatible(resume, cfg)
@@ -215,6 +218,13 @@ def main(argv: list[str] | None = None) -> None:
         from rlcli.schema_doc import explain
 
         print(explain(rest[0] if rest else None, CONF_DIR))
+        return
+    if command == "plan":  # composes without a run directory: nothing is written
+        from rlcli import plan
+
+        code = plan.main(rest)
+        if code:
+            raise SystemExit(code)
         return
     if command in ("ladder", "plot"):  # own argparse flags; they launch or read `train` runs
         from rlcli import ladder, plot

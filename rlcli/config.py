@@ -47,6 +47,32 @@ class LoRAConfig:
 
 
 @dataclass
+class ArchConfig:
+    """Architecture facts for `rlcli plan` (docs/memory.md), copied from a hub model's config.json, so the memory
+    estimate needs no download. Read only when model.path is a hub id: a local model.path has its config.json
+    read instead, and the embedded tiny model (model.path null) is sized by model.tiny.*."""
+
+    hidden_size: int | None = None
+    """Width of the residual stream (config.json hidden_size)."""
+    num_hidden_layers: int | None = None
+    """Transformer blocks."""
+    intermediate_size: int | None = None
+    """Width of the SwiGLU MLP."""
+    vocab_size: int | None = None
+    """Rows of the embedding and of the output projection."""
+    num_attention_heads: int | None = None
+    """Query heads."""
+    num_key_value_heads: int | None = None
+    """Key/value heads (grouped-query attention); null = num_attention_heads."""
+    head_dim: int | None = None
+    """Per-head width; null = hidden_size / num_attention_heads."""
+    tie_word_embeddings: bool = False
+    """The output projection shares the input embedding's weights."""
+    attention_bias: bool = False
+    """The q, k and v projections have biases (Qwen2: true; Llama: false)."""
+
+
+@dataclass
 class ModelConfig:
     name: str = "tiny"
     """Preset name, for logs and run names."""
@@ -64,6 +90,8 @@ class ModelConfig:
     """LoRA adapters instead of full fine-tuning of the policy (model.lora.r > 0)."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory (large models); the policy and the critic."""
+    arch: ArchConfig = field(default_factory=ArchConfig)
+    """Architecture of a hub model for the memory planner (`rlcli plan`); presets set it."""
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     """Architecture of the embedded tiny Llama (used when `path` is null)."""
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
@@ -164,6 +192,13 @@ class HWConfig:
     """Memory only: response positions per chunk of the vocabulary projection in the log-prob and entropy
     passes, recomputed in backward; the fp32 logits alive at once are [rows, chunk, vocab] (0 = the whole
     sequence at once: [rows, prompt+response, vocab])."""
+    device_memory_gb: float | None = None
+    """Memory of one device in GiB (2^30 bytes), for `rlcli plan` and the check before `rlcli train`; null = detect:
+    torch.cuda's total memory of device 0 (cuda), the machine's RAM from psutil shared by the node's hw.nproc
+    ranks (cpu)."""
+    check_memory: bool = True
+    """`rlcli train` first estimates per-device memory (`rlcli plan`, docs/memory.md) and refuses a job whose estimate
+    exceeds hw.device_memory_gb, with the fixes to try; false = skip the check (the estimate can be wrong)."""
     num_threads: int | None = None
     """torch intra-op threads per process (null = torch default)."""
     shm_comm: bool = False

@@ -1,0 +1,586 @@
+"""`rlcli plan`: per-device memory of a composed config, estimated before anything is loaded.
+
+The formulas, their sources and the measured check are in docs/memory.md. In short, per device:
+
+    model states   weights + gradients + optimizer states of the policy (and of the critic), per parameter
+                   by precision, then divided by the data-parallel world size N_d where the ZeRO stage
+                   partitions them (Rajbhandari et al. 2020, arXiv:1910.02054), or moved to host memory by
+                   DeepSpeed's offload (hw.offload_optimizer, hw.offload_params)
+    reference      a frozen copy of the policy's weights when algo.kl_coef > 0 (none with LoRA: the base model
+                   with its adapters disabled is the reference)
+    activations    what the backward pass keeps per layer (Korthikanti et al. 2022, arXiv:2205.05198, counted
+                   for a Llama/Qwen2 block), or only each layer's input with gradient checkpointing
+    logits         fp32 [rows, chunk, vocab] copies of the log-prob pass (hw.logits_chunk)
+    rollout        rollout.engine=hf: the KV cache of one generate call, 2 x layers x kv_heads x head_dim x
+                   bytes x rows x (prompt + max_new_tokens); rollout.engine=vllm: what the colocated engine
+                   reserves, rollout.gpu_memory_utilization of the device (its weights and KV cache; on CPU
+                   its copy of the weights + rollout.cpu_kv_cache_gb)
+
+Generation and the update never run at once, so the peak is the model states plus the larger of the two
+phases, max(activations + logits, rollout), except that a vLLM engine without rollout.sleep_mode keeps
+its reservation through the update. Units: bytes inside, GiB (2^30 bytes) in every table.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+ROLLOUT = "rollout"  # the table row of generation memory (HF KV cache, or the vLLM engine)
+GIB = 2**30
+# Measured: peak RSS of `python -c "import rlcli.trainer, rlcli.cli"` (python, torch, transformers, DeepSpeed,
+# hydra), 0.34 GiB on 2026-11-23 with torch 2.13.0 CPU (docs/memory.md, "Runtime baseline"). Counted on CPU,
+# where the device memory is the process's RAM; on a GPU the process's host memory is not device memory.
+CPU_RUNTIME_GIB = 0.34
+# DeepSpeed's defaults for the buffers we do not set (https://www.deepspeed.ai/docs/config-json/):
+# zero_optimization.reduce_bucket_size (gradient bucket of stages 2 and 3), in elements.
+REDUCE_BUCKET = 500_000_000
+
+
+@dataclass(frozen=True)
+class Arch:
+    """A decoder-only Llama/Qwen2-style transformer, as far as memory is concerned."""
+
+    hidden: int
+    layers: int
+    intermediate: int
+    vocab: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool
+    qkv_bias: bool
+    source: str = ""
+
+    @property
+    def kv_width(self) -> int:
+        return self.kv_heads * self.head_dim
+
+
+def arch_of(model_cfg: Any) -> Arch:
+    """The architecture of `model_cfg`'s policy, read without loading weights: a local model.path's config.json,
+    else model.arch (hub ids; presets ship it), else model.tiny (model.path null)."""
+    if model_cfg.path is None:
+        from rlcli.models.tiny import CHARS, SPECIAL_TOKENS
+
+        t = model_cfg.tiny
+        return Arch(t.hidden_size, t.num_layers, t.intermediate_size, len(SPECIAL_TOKENS) + len(CHARS), t.num_heads,
+                    t.num_heads, t.hidden_size // t.num_heads, t.tie_word_embeddings, False, "model.tiny")
+    config_file = os.path.join(model_cfg.path, "config.json")
+    if os.path.isfile(config_file):
+        with open(config_file) as f:
+            c = json.load(f)
+        c = c.get("text_config", c)  # multimodal wrappers nest the language model's config
+        heads = c["num_attention_heads"]
+        return Arch(c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"], c["vocab_size"], heads,
+                    c.get("num_key_value_heads") or heads, c.get("head_dim") or c["hidden_size"] // heads,
+                    bool(c.get("tie_word_embeddings", False)),
+                    c.get("model_type") == "qwen2" or bool(c.get("attention_bias", False)), config_file)
+    a = model_cfg.arch
+    required = ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size", "num_attention_heads")
+    missing = [k for k in required if a[k] is None]
+    if missing:
+        raise SystemExit(
+            f"model.path={model_cfg.path} is not a local directory with a config.json, and model.arch lacks "
+            f"{', '.join('model.arch.' + k for k in missing)}: copy them from the model's config.json (e.g. "
+            "model.arch.hidden_size=896 ...), or point model.path at a local copy of the model"
+        )
+    heads = a.num_attention_heads
+    return Arch(a.hidden_size, a.num_hidden_layers, a.intermediate_size, a.vocab_size, heads,
+                a.num_key_value_heads or heads, a.head_dim or a.hidden_size // heads, a.tie_word_embeddings,
+                a.attention_bias, "model.arch")
+
+
+def layer_params(arch: Arch) -> int:
+    """One block: q, k, v (with biases if any), o, SwiGLU gate/up/down, two RMSNorm weights."""
+    h, q, kv, i = arch.hidden, arch.heads * arch.head_dim, arch.kv_width, arch.intermediate
+    attn = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if arch.qkv_bias else 0)
+    return attn + 3 * h * i + 2 * h
+
+
+def param_count(arch: Arch) -> int:
+    """Ψ of the causal LM: embedding, blocks, final norm, and the output projection unless tied."""
+    embed = arch.vocab * arch.hidden
+    return embed + arch.layers * layer_params(arch) + arch.hidden + (0 if arch.tied else embed)
+
+
+def lora_param_count(arch: Arch, lora: Any) -> int:
+    """Adapter parameters: r x (d_in + d_out) for each targeted projection of each block (Hu et al. 2021)."""
+    h, q, kv, i = arch.hidden, arch.heads * arch.head_dim, arch.kv_width, arch.intermediate
+    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+              "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    per_layer = sum(lora.r * sum(shapes[m]) for m in lora.target_modules if m in shapes)
+    return arch.layers * per_layer
+
+
+def critic_param_count(arch: Arch, critic_cfg: Any) -> int:
+    """The critic: the policy's backbone (no output projection; a tied one is the embedding, kept) plus its head,
+    a linear map from the last hidden state to K outputs (rlcli/models/value.py)."""
+    k = {"scalar": 1, "multi": critic_cfg.num_heads, "distributional": critic_cfg.num_bins}[critic_cfg.head]
+    backbone = param_count(arch) - (0 if arch.tied else arch.vocab * arch.hidden)
+    return backbone + arch.hidden * k + k
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Per-parameter bytes of model states under rlcli's DeepSpeed config (rlcli/engine ds_config)."""
+
+    weight: int
+    grad: int
+    optim: int
+
+
+def state_bytes(precision: str, zero_stage: int) -> StateBytes:
+    """fp32: 4-byte weights (the master copy) and gradients, Adam m and v (8); ZeRO >= 1 also keeps an fp32 copy
+    of its weight partition (12). bf16 at ZeRO >= 1: the paper's mixed precision, 2 + 2 + K=12 (fp32 master,
+    m, v). bf16 at ZeRO-0: DeepSpeed steps the torch optimizer on the bf16 weights (its DDP_BFLOAT16 path: no
+    fp32 master, bf16 m and v), 2 + 2 + 4."""
+    if precision == "fp32":
+        return StateBytes(4, 4, 12 if zero_stage else 8)
+    return StateBytes(2, 2, 12 if zero_stage else 4)
+
+
+@dataclass
+class ModelStates:
+    weights: float
+    grads: float
+    optim: float
+    host: float  # bytes moved to host memory by offload (per rank)
+
+
+def model_states(psi: int, trainable: int, precision: str, stage: int, world: int, offload_optimizer: bool,
+                 offload_params: bool, layer: int = 0, embed: int = 0) -> ModelStates:
+    """Per-device bytes of weights (Ψ of them), gradients and optimizer states (`trainable` of them) at a ZeRO
+    stage over `world` data-parallel ranks (ZeRO paper §5.1: P_os at 1, P_os+g at 2, P_os+g+p at 3).
+
+    Beyond the paper: stages 2-3 hold one gradient bucket (DeepSpeed's reduce_bucket_size) besides their
+    partition; stage 3 gathers the parameters of about two blocks (the one computing and the one prefetched,
+    `layer` parameters each) or the embedding (`embed`); offload keeps the optimizer states (and at stages 2-3
+    the gradient partition: ZeRO-Offload, arXiv:2101.06840) or the parameter partition in host memory."""
+    b = state_bytes(precision, stage)
+    weights = psi * b.weight
+    grads = trainable * b.grad
+    optim = trainable * b.optim
+    host = 0.0
+    if stage >= 1:
+        if offload_optimizer:
+            host += optim / world
+            optim = 0.0
+        else:
+            optim = optim / world
+    if stage >= 2:
+        bucket = min(trainable, REDUCE_BUCKET) * b.grad
+        if offload_optimizer:
+            host += grads / world
+            grads = bucket
+        else:
+            grads = grads / world + bucket
+    if stage == 3:
+        gathered = max(2 * layer, embed) * b.weight
+        if offload_params:
+            host += weights / world
+            weights = gathered
+        else:
+            weights = weights / world + gathered
+    return ModelStates(weights, grads, optim, host)
+
+
+def activation_elements_per_token(arch: Arch, seq: int) -> int:
+    """Elements one Llama/Qwen2 block keeps for backward per token, counted like Korthikanti et al. 2022 §4.1
+    for this block and checked with torch's saved-tensor hooks on the tiny model (tests/test_plan.py): each
+    RMSNorm's input and normalised input (2h each) and its weighted output as the next projection's input
+    (h each), q and the attention output (heads x head_dim each), k and v (kv width each), the SwiGLU MLP's
+    gate, SiLU(gate), up and their product (4 x intermediate), SDPA's log-sum-exp (one per head) and the
+    [seq, seq] attention mask of a padded batch (seq per token). No dropout masks (these models have none)."""
+    q = arch.heads * arch.head_dim
+    return 6 * arch.hidden + 2 * q + 2 * arch.kv_width + 4 * arch.intermediate + arch.heads + seq
+
+
+def activation_bytes(arch: Arch, rows: int, seq: int, act_bytes: int, checkpointing: bool) -> float:
+    """Activations alive at the peak of a backward over [rows, seq] tokens. Without checkpointing every block
+    keeps activation_elements_per_token; with it (HF gradient checkpointing, one checkpoint per block) each
+    block keeps only its input (h per token; Korthikanti et al.: 2sbh bytes per layer in 16-bit) and the
+    block being differentiated is rebuilt. Either way the backward holds the gradients of one block's
+    activations at a time (one more block's worth), and the final RMSNorm keeps 3h."""
+    tokens = rows * seq
+    block = activation_elements_per_token(arch, seq) * tokens * act_bytes
+    final = 3 * arch.hidden * tokens * act_bytes
+    kept = arch.layers * arch.hidden * tokens * act_bytes + block if checkpointing else arch.layers * block
+    return kept + block + final
+
+
+def logits_bytes(arch: Arch, rows: int, prompt: int, response: int, chunk: int, act_bytes: int) -> float:
+    """The log-prob pass's vocabulary projection: the head's output in the activation dtype plus four fp32
+    copies (the upcast logits / temperature, their log-softmax, its gradient, the entropy's softmax) of
+    [rows, chunk, vocab]; chunk 0 = the whole sequence, whose head output spans prompt + response."""
+    if chunk:
+        c = min(chunk, response)
+        return rows * c * arch.vocab * (act_bytes + 16)
+    return rows * arch.vocab * ((prompt + response) * act_bytes + response * 16)
+
+
+def kv_cache_bytes(arch: Arch, rows: int, seq: int, kv_bytes: int) -> float:
+    """Keys and values of every block for `rows` sequences of `seq` tokens: 2 x L x kv_heads x head_dim x bytes."""
+    return 2 * arch.layers * arch.kv_width * kv_bytes * rows * seq
+
+
+@dataclass
+class Plan:
+    """One estimate: the table rows (bytes per device), the shapes they assume, and the device's memory."""
+
+    rows: dict[str, float]
+    notes: dict[str, str]
+    peak: float
+    device: float | None  # bytes; None = unknown
+    device_note: str
+    host: float
+    shape: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.device is None else self.peak <= self.device
+
+
+def prompt_tokens(cfg: Any) -> tuple[int, str]:
+    """Longest prompt, in tokens: data.max_prompt_len bounds it (longer prompts are dropped); the embedded arith
+    task with its character tokenizer and the plain template has an exact, smaller bound."""
+    d = cfg.data
+    if d.source == "arith" and cfg.model.path is None and d.template == "question" and d.chat != "always":
+        from rlcli.data.arith import make_example
+
+        longest = 10**d.max_digits - 1
+        n = max(len(make_example(longest, longest, op)["prompt"]) for op in "+-")
+        return min(n, d.max_prompt_len), "arith prompt at data.max_digits (1 char = 1 token)"
+    return d.max_prompt_len, "data.max_prompt_len"
+
+
+def device_memory(hw: Any) -> tuple[float | None, str]:
+    """(bytes per device or None, where the number comes from)."""
+    if hw.device_memory_gb is not None:
+        return hw.device_memory_gb * GIB, "hw.device_memory_gb"
+    if hw.device == "cpu":
+        import psutil
+
+        ram = psutil.virtual_memory().total
+        return ram / hw.nproc, f"RAM {ram / GIB:.1f} GiB (psutil) / hw.nproc={hw.nproc} ranks"
+    import torch
+
+    if torch.cuda.is_available():
+        return float(torch.cuda.get_device_properties(0).total_memory), f"torch.cuda: {torch.cuda.get_device_name(0)}"
+    return None, "unknown: no CUDA device here; set hw.device_memory_gb"
+
+
+def estimate(cfg: Any) -> Plan:
+    """The per-device memory plan of a composed config (see the module docstring)."""
+    from rlcli.algos.advantages import NEEDS_VALUES
+    from rlcli.config import batch_units, world_size
+
+    hw, m, r, a = cfg.hw, cfg.model, cfg.rollout, cfg.algo
+    arch = arch_of(m)
+    world = world_size(hw)
+    psi = param_count(arch)
+    lora = m.lora.r > 0
+    trainable = lora_param_count(arch, m.lora) if lora else psi
+    embed = arch.vocab * arch.hidden
+    on_cpu = hw.device == "cpu"
+    # Offload moves states to host memory; on CPU that is the same RAM, so it saves nothing there.
+    off_opt, off_par = hw.offload_optimizer and not on_cpu, hw.offload_params and not on_cpu
+    policy = model_states(psi, trainable, hw.precision, hw.zero_stage, world, off_opt, off_par,
+                          layer_params(arch), embed)
+    if lora:  # the adapters' weights are counted in psi's dtype: add them to the frozen base
+        policy.weights += trainable * state_bytes(hw.precision, hw.zero_stage).weight
+    wbytes = state_bytes(hw.precision, hw.zero_stage).weight  # DeepSpeed casts the module to bf16 under hw.precision=bf16
+    act_bytes = 2 if hw.precision == "bf16" else 4
+
+    rows, notes = {}, {}
+    rows["weights"] = policy.weights
+    notes["weights"] = f"Ψ = {psi / 1e9:.3f}B x {state_bytes(hw.precision, hw.zero_stage).weight} B" + (
+        f" (+ LoRA {trainable / 1e6:.1f}M)" if lora else "") + _zero_note(hw.zero_stage, world, "weights")
+    rows["gradients"] = policy.grads
+    notes["gradients"] = f"{'LoRA ' if lora else ''}{trainable / 1e9:.3f}B trainable" + _zero_note(
+        hw.zero_stage, world, "grads")
+    rows["optimizer states"] = policy.optim
+    notes["optimizer states"] = ("Adam, offloaded to host" if off_opt else
+                                 f"Adam, {state_bytes(hw.precision, hw.zero_stage).optim} B/param"
+                                 + _zero_note(hw.zero_stage, world, "optim"))
+    host = policy.host
+
+    ref = 0.0
+    if a.kl_coef > 0 and not lora:
+        ref = psi * wbytes
+        if hw.zero_stage == 3:
+            if off_par:
+                host += ref / world
+                ref = 2 * layer_params(arch) * wbytes
+            else:
+                ref = ref / world
+        notes["reference model"] = "frozen copy (algo.kl_coef > 0)"
+    else:
+        notes["reference model"] = ("none: the LoRA base with adapters disabled" if a.kl_coef > 0
+                                    else "none (algo.kl_coef = 0)")
+    rows["reference model"] = ref
+
+    critic = 0.0
+    if a.adv_estimator in NEEDS_VALUES:
+        c_psi = critic_param_count(arch, cfg.critic)
+        cs = model_states(c_psi, c_psi, hw.precision, hw.zero_stage, world, off_opt, off_par, layer_params(arch),
+                          embed)
+        critic, host = cs.weights + cs.grads + cs.optim, host + cs.host
+        notes["critic"] = f"{c_psi / 1e9:.3f}B params, own Adam ({a.adv_estimator} needs values)"
+    else:
+        notes["critic"] = f"none ({a.adv_estimator} needs no values)"
+    rows["critic"] = critic
+
+    # The update: micro-batches of at most hw.micro_batch rows of the per-rank mini-batch, capped in tokens.
+    p, g = batch_units(cfg)
+    tp, tp_note = prompt_tokens(cfg)
+    seq = tp + r.max_new_tokens
+    mini_rows = max(1, p // world // a.mini_batches * g)
+    mb = min(hw.micro_batch, mini_rows)
+    if hw.max_tokens_per_micro_batch:
+        mb = max(1, min(mb, hw.max_tokens_per_micro_batch // seq))
+    rows["activations"] = activation_bytes(arch, mb, seq, act_bytes, m.gradient_checkpointing)
+    notes["activations"] = (f"[{mb} rows, {seq} tokens], "
+                            f"{'gradient checkpointing' if m.gradient_checkpointing else 'no checkpointing'}")
+    rows["logits chunk"] = logits_bytes(arch, mb, tp, r.max_new_tokens, hw.logits_chunk, act_bytes)
+    c = min(hw.logits_chunk, r.max_new_tokens) if hw.logits_chunk else seq
+    notes["logits chunk"] = f"fp32 [{mb}, {c}, {arch.vocab}] x 4 + head output"
+
+    gen_p = (r.gen_prompts_per_step or p) if a.dynamic_sampling else p
+    gen_rows = min(r.gen_batch_size, max(1, gen_p // world * g))
+    dev, dev_note = device_memory(hw)
+    if r.engine == "vllm":
+        if on_cpu:
+            rows[ROLLOUT] = psi * wbytes + r.cpu_kv_cache_gb * GIB
+            notes[ROLLOUT] = f"vLLM: its weights + rollout.cpu_kv_cache_gb={r.cpu_kv_cache_gb}"
+        else:
+            engine_weights = psi * wbytes / r.tensor_parallel_size
+            rows[ROLLOUT] = max(r.gpu_memory_utilization * (dev or 0.0), engine_weights)
+            notes[ROLLOUT] = (f"vLLM reserves rollout.gpu_memory_utilization={r.gpu_memory_utilization}"
+                              + (", asleep during the update" if r.sleep_mode else ", through the update too"))
+            if dev and engine_weights > r.gpu_memory_utilization * dev:
+                notes[ROLLOUT] = (f"vLLM's weights alone, {engine_weights / GIB:.1f} GiB at rollout.tensor_parallel_size="
+                                  f"{r.tensor_parallel_size}, exceed rollout.gpu_memory_utilization="
+                                  f"{r.gpu_memory_utilization}: raise either")
+    else:
+        rows[ROLLOUT] = kv_cache_bytes(arch, gen_rows, seq, wbytes)
+        notes[ROLLOUT] = f"HF generate KV cache: {gen_rows} rows x {seq} tokens, {wbytes} B"
+    resident = r.engine == "vllm" and not r.sleep_mode  # held while the actor updates too
+    if on_cpu:
+        rows["runtime"] = CPU_RUNTIME_GIB * GIB
+        notes["runtime"] = "python + torch + transformers + DeepSpeed (measured)"
+
+    static = sum(rows[k] for k in ("weights", "gradients", "optimizer states", "reference model", "critic",
+                                   "runtime") if k in rows)
+    update = rows["activations"] + rows["logits chunk"] + (rows[ROLLOUT] if resident else 0.0)
+    peak = static + max(update, rows[ROLLOUT])
+    shape = {"psi": psi, "trainable": trainable, "world": world, "micro_rows": mb, "seq": seq, "prompt": tp,
+             "prompt_note": tp_note, "gen_rows": gen_rows, "arch": arch, "phase": "update" if update >= rows[
+                 ROLLOUT] else "rollout", "resident": resident}
+    return Plan(rows, notes, peak, dev, dev_note, host, shape)
+
+
+def _zero_note(stage: int, world: int, what: str) -> str:
+    split = {"weights": stage >= 3, "grads": stage >= 2, "optim": stage >= 1}[what]
+    return f", / {world} ranks (ZeRO-{stage})" if split and world > 1 else ""
+
+
+def with_overrides(cfg: Any, overrides: dict[str, Any]) -> Any:
+    """A copy of `cfg` with dotted keys set."""
+    from omegaconf import OmegaConf, open_dict
+
+    new = copy.deepcopy(cfg)
+    with open_dict(new):
+        for k, v in overrides.items():
+            OmegaConf.update(new, k, v, merge=False)
+    return new
+
+
+def _fits(cfg: Any, device: float) -> bool:
+    return estimate(cfg).peak <= device
+
+
+def _largest(cfg: Any, key: str, high: int, device: float, low: int = 1) -> int | None:
+    """The largest integer value of `key` in [low, high] whose plan fits (the estimate grows with it)."""
+    if not _fits(with_overrides(cfg, {key: low}), device):
+        return None
+    while low < high:
+        mid = (low + high + 1) // 2
+        if _fits(with_overrides(cfg, {key: mid}), device):
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+def fixes(cfg: Any, plan: Plan) -> list[tuple[dict[str, Any], float, str]]:
+    """Changes to try, each with its estimated peak: (overrides, peak bytes, what it costs). Memory-only knobs
+    first, then the ones that change the experiment or the hardware."""
+    if plan.device is None:
+        return []
+    hw, m, r = cfg.hw, cfg.model, cfg.rollout
+    dev, s = plan.device, plan.shape
+    gpu = hw.device != "cpu"
+    out: list[tuple[dict[str, Any], str]] = []
+    if s["world"] > 1:
+        for stage in range(hw.zero_stage + 1, 3 if m.lora.r else 4):
+            out.append(({"hw.zero_stage": stage}, "more communication"))
+    if gpu and not hw.offload_optimizer:
+        out.append(({"hw.zero_stage": max(1, hw.zero_stage), "hw.offload_optimizer": True},
+                    "Adam on the CPU: slower steps, host RAM"))
+    if gpu and not hw.offload_params and not m.lora.r:
+        out.append(({"hw.zero_stage": 3, "hw.offload_optimizer": True, "hw.offload_params": True},
+                    "weights fetched from host RAM each pass: much slower"))
+    if not m.gradient_checkpointing:
+        out.append(({"model.gradient_checkpointing": True}, "about 1/3 more compute in the update"))
+    if s["micro_rows"] > 1:
+        best = _largest(cfg, "hw.micro_batch", s["micro_rows"] - 1, dev)
+        if best is not None:
+            out.append(({"hw.micro_batch": best}, "more, smaller forward/backward passes"))
+        else:
+            out.append(({"hw.micro_batch": 1}, "more, smaller forward/backward passes"))
+    if hw.logits_chunk == 0 or hw.logits_chunk > 64:
+        out.append(({"hw.logits_chunk": 64}, "more, smaller vocabulary projections"))
+    engine_weights = s["psi"] * state_bytes(hw.precision, hw.zero_stage).weight
+    tp = r.tensor_parallel_size
+    while r.engine == "vllm" and gpu and engine_weights / tp > r.gpu_memory_utilization * dev and tp * 2 <= hw.nproc:
+        tp *= 2
+    if tp != r.tensor_parallel_size:
+        out.append(({"rollout.tensor_parallel_size": tp}, "each engine shards the model over more GPUs"))
+    if r.engine == "vllm" and gpu and not r.sleep_mode:
+        out.append(({"rollout.sleep_mode": True}, "the engine sleeps while the actor updates: wake-up each step"))
+    if r.engine == "hf" and s["gen_rows"] > 1:
+        best = _largest(cfg, "rollout.gen_batch_size", s["gen_rows"] - 1, dev)
+        out.append(({"rollout.gen_batch_size": best or 1}, "more, smaller generate calls"))
+    if not m.lora.r:
+        out.append(({"model.lora.r": 16, **({"hw.zero_stage": 2, "hw.offload_params": False}
+                                             if hw.zero_stage == 3 else {})},
+                    "LoRA adapters instead of full fine-tuning: a different experiment"))
+    out.append(({"rollout.max_new_tokens": r.max_new_tokens // 2,
+                 "rollout.overlong_buffer_len": max(1, min(r.overlong_buffer_len, r.max_new_tokens // 4))},
+                "shorter responses: a different experiment"))
+    if gpu:
+        out.append(({"hw.nnodes": hw.nnodes * 2}, "twice the GPUs (rollout.prompts_per_step must divide)"))
+    tried = [(o, estimate(with_overrides(cfg, o)).peak, why) for o, why in out]
+    return [t for t in tried if t[1] < plan.peak]  # only changes that lower the peak
+
+
+def combined_fix(cfg: Any, plan: Plan) -> tuple[dict[str, Any], float] | None:
+    """Memory-only fixes applied one after another until the estimate fits: (overrides, peak) or None."""
+    if plan.device is None or plan.fits:
+        return None
+    applied: dict[str, Any] = {}
+    current = cfg
+    for overrides, _, why in fixes(cfg, plan):
+        if "experiment" in why or "GPUs" in why:
+            continue
+        trial = with_overrides(current, overrides)
+        if estimate(trial).peak < estimate(current).peak:
+            current, applied = trial, {**applied, **overrides}
+            # micro-batch and generate sizes were chosen for the original config: re-fit them to this one
+            for key, high in (("hw.micro_batch", cfg.hw.micro_batch), ("rollout.gen_batch_size", cfg.rollout.gen_batch_size)):
+                if key in applied:
+                    best = _largest(with_overrides(current, {key: 1}), key, high, plan.device)
+                    if best is not None:
+                        current, applied[key] = with_overrides(current, {key: best}), best
+            if estimate(current).peak <= plan.device:
+                return applied, estimate(current).peak
+    return None
+
+
+def render(cfg: Any, plan: Plan, with_fixes: bool = True) -> str:
+    """The table `rlcli plan` prints (and `rlcli train` shows when it refuses a job)."""
+    s, hw = plan.shape, cfg.hw
+    arch: Arch = s["arch"]
+    lines = [
+        f"memory plan, per device: model={cfg.model.name} ({s['psi'] / 1e9:.3f}B parameters, {arch.layers} layers x "
+        f"{arch.hidden}, vocab {arch.vocab}; from {arch.source}) hw={hw.name} ({s['world']} x {hw.device}, "
+        f"ZeRO-{hw.zero_stage}, {hw.precision}) algo={cfg.algo.name}",
+        f"tokens per row: prompt {s['prompt']} ({s['prompt_note']}) + response {cfg.rollout.max_new_tokens} "
+        "(rollout.max_new_tokens)",
+        "",
+        f"  {'':<18}{'GiB':>9}",
+    ]
+    for name, value in plan.rows.items():
+        lines.append(f"  {name:<18}{value / GIB:>9.2f}   {plan.notes[name]}")
+    phase = ("the update (activations + logits" + (" + the engine's reservation)" if s["resident"] else ")")
+             if s["phase"] == "update" else "generation")
+    lines.append(f"  {'peak':<18}{plan.peak / GIB:>9.2f}   model states + the larger phase: {phase}")
+    if plan.device is None:
+        lines.append(f"  {'device':<18}{'?':>9}   {plan.device_note}")
+    else:
+        verdict = "fits" if plan.fits else "DOES NOT FIT"
+        lines.append(f"  {'device':<18}{plan.device / GIB:>9.2f}   {plan.device_note}: {verdict} "
+                     f"({plan.peak / plan.device:.0%})")
+    if plan.host:
+        lines.append(f"  {'host (offload)':<18}{plan.host / GIB:>9.2f}   per rank, in CPU RAM")
+    if hw.device != "cpu":
+        lines.append("  not counted: the CUDA context and allocator fragmentation (keep a margin)")
+    if with_fixes and plan.fits is False:
+        lines += ["", "to try (estimated peak after each change, alone):"]
+        for overrides, peak, why in fixes(cfg, plan):
+            mark = "fits" if peak <= plan.device else "    "
+            lines.append(f"  {peak / GIB:>8.2f} GiB {mark}  {_overrides_text(overrides)}   ({why})")
+        combo = combined_fix(cfg, plan)
+        if combo:
+            lines += ["", f"memory-only changes that fit together ({combo[1] / GIB:.2f} GiB): {_overrides_text(combo[0])}"]
+    return "\n".join(lines)
+
+
+def _overrides_text(overrides: dict[str, Any]) -> str:
+    return " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in overrides.items())
+
+
+def check_fits(cfg: Any) -> None:
+    """`rlcli train`'s check before loading anything: refuse a job whose estimate exceeds the device memory."""
+    if not cfg.hw.check_memory:
+        return
+    plan = estimate(cfg)
+    if plan.fits is False:
+        raise SystemExit(
+            f"{render(cfg, plan)}\n\nrlcli train: the estimated peak memory per device, {plan.peak / GIB:.2f} GiB, "
+            f"exceeds the device's {plan.device / GIB:.2f} GiB ({plan.device_note}). Apply one of the changes "
+            "above; or set hw.device_memory_gb if the device has more; or hw.check_memory=false to train anyway "
+            "(docs/memory.md explains the estimate)."
+        )
+
+
+HELP = """rlcli plan: per-device memory of a training config, estimated before anything is loaded.
+
+usage: rlcli plan [group=option ...] [key=value ...]      e.g. rlcli plan model=qwen2.5-32b hw=8xa100 algo=dapo
+
+Prints, in GiB per device: the policy's weights, gradients and optimizer states (by hw.precision, hw.zero_stage
+over hw.nproc x hw.nnodes ranks, hw.offload_optimizer, hw.offload_params), the reference model (algo.kl_coef > 0,
+none with LoRA), the critic (estimators that need values), the update's activations (model.gradient_checkpointing,
+hw.micro_batch, hw.max_tokens_per_micro_batch), the log-prob pass's logits (hw.logits_chunk) and the rollout's
+KV cache (rollout.gen_batch_size); then the peak against the device's memory (hw.device_memory_gb; null = this
+machine's GPU, or its RAM on CPU) and, when it does not fit, the changes to try with the estimate after each.
+The architecture comes from model.path's config.json (a local directory), model.arch (hub presets) or
+model.tiny. `rlcli train` runs the same check first (hw.check_memory). Formulas and sources: docs/memory.md.
+"""
+
+
+def main(argv: list[str]) -> int:
+    if "--help" in argv or "-h" in argv:
+        print(HELP)
+        return 0
+    from hydra import compose, initialize_config_dir
+
+    from rlcli.cli import CONF_DIR
+    from rlcli.config import register_configs, validate
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose("config", overrides=argv)
+    try:
+        validate(cfg)
+    except ValueError as e:
+        print(f"rlcli plan: {e}", file=sys.stderr)
+        return 2
+    plan = estimate(cfg)
+    print(render(cfg, plan))
+    return 0 if plan.fits is not False else 1

@@ -1,0 +1,53 @@
+"""Measure a few training steps' peak memory in a fresh process, next to `rlcli plan`'s estimate of it.
+
+    python tests/helpers/peak_memory.py STEPS OVERRIDE ... -> one JSON line on stdout:
+    {"baseline_gib": RSS after importing everything, "peak_gib": ru_maxrss after the steps,
+     "estimate_gib": the plan's peak, "runtime_gib": the plan's runtime row, "rows": the plan's rows in GiB}
+
+Peak RSS (ru_maxrss) is a high-water mark of the whole process, so each measurement needs its own process.
+The baseline (python + torch + transformers + DeepSpeed + hydra, imported and idle) is measured here, before
+any model is built, so a test can compare the job's own memory: peak - baseline vs estimate - runtime row.
+"""
+
+import json
+import os
+import resource
+import sys
+import tempfile
+
+import psutil
+
+import rlcli.trainer  # noqa: F401  (the runtime: torch, transformers, DeepSpeed)
+from rlcli.cli import CONF_DIR, _environment
+from rlcli.config import register_configs, validate
+from rlcli.plan import GIB, estimate
+
+
+def main() -> None:
+    from hydra import compose, initialize_config_dir
+
+    from rlcli.trainer import Trainer
+
+    steps, overrides = int(sys.argv[1]), sys.argv[2:]
+    _environment()
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose("config", overrides=overrides)
+    cfg.run_dir = tempfile.mkdtemp(prefix="rlcli-peak-")
+    validate(cfg)
+    plan = estimate(cfg)
+    baseline = psutil.Process().memory_info().rss / GIB
+    trainer = Trainer(cfg)
+    try:
+        for step in range(1, steps + 1):
+            trainer.train_step(step)
+    finally:
+        trainer.rewards.close()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB  # Linux reports KiB
+    print(json.dumps({"baseline_gib": baseline, "peak_gib": peak, "estimate_gib": plan.peak / GIB,
+                      "runtime_gib": plan.rows.get("runtime", 0.0) / GIB,
+                      "rows": {k: v / GIB for k, v in plan.rows.items()}, "pid": os.getpid()}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""`rlcli plan`: the memory formulas against hand-computed numbers, parameter counts against real models, the
+refusal of `rlcli train` before anything loads, and the estimate against measured peak memory on CPU.
+
+Regenerate the measured numbers (docs/memory.md): python tests/helpers/peak_memory.py STEPS OVERRIDES...
+"""
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import CONF, ROOT
+from hydra import compose, initialize_config_dir
+
+from rlcli.config import register_configs
+from rlcli.plan import (
+    GIB,
+    Arch,
+    activation_elements_per_token,
+    arch_of,
+    estimate,
+    kv_cache_bytes,
+    lora_param_count,
+    model_states,
+    param_count,
+    render,
+)
+
+PSI = 1_000_000_000  # Ψ = 1B parameters, 8 ranks: the golden numbers below are in bytes
+
+
+def compose_cfg(*overrides: str):
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        return compose("config", overrides=list(overrides))
+
+
+@pytest.mark.parametrize("stage, weights, grads, optim", [
+    # ZeRO paper (arXiv:1910.02054) mixed-precision Adam: 2Ψ + 2Ψ + 12Ψ, partitioned by stage over N_d = 8.
+    (1, 2 * PSI, 2 * PSI, 12 * PSI / 8),
+    (2, 2 * PSI, 2 * PSI / 8 + 500_000_000 * 2, 12 * PSI / 8),  # + one reduce bucket of 5e8 bf16 gradients
+    (3, 2 * PSI / 8 + 2 * 10_000_000 * 2, 2 * PSI / 8 + 500_000_000 * 2, 12 * PSI / 8),  # + two gathered blocks
+])
+def test_bf16_model_states_per_zero_stage(stage, weights, grads, optim):
+    s = model_states(PSI, PSI, "bf16", stage, 8, False, False, layer=10_000_000, embed=5_000_000)
+    assert (s.weights, s.grads, s.optim, s.host) == (weights, grads, optim, 0.0)
+
+
+def test_zero0_and_fp32_model_states():
+    # bf16 ZeRO-0 is DeepSpeed's DDP_BFLOAT16 path: Adam steps the bf16 weights, bf16 m and v (2 + 2 + 4).
+    s = model_states(PSI, PSI, "bf16", 0, 8, False, False)
+    assert (s.weights, s.grads, s.optim) == (2 * PSI, 2 * PSI, 4 * PSI)
+    # fp32 ZeRO-0: the weights are the master copy; Adam m and v (4 + 4 + 8 = 16 bytes per parameter).
+    s = model_states(PSI, PSI, "fp32", 0, 1, False, False)
+    assert (s.weights, s.grads, s.optim) == (4 * PSI, 4 * PSI, 8 * PSI)
+
+
+def test_offload_moves_states_to_host():
+    s = model_states(PSI, PSI, "bf16", 2, 8, True, False)
+    assert s.optim == 0 and s.grads == 500_000_000 * 2 and s.host == 12 * PSI / 8 + 2 * PSI / 8
+    s = model_states(PSI, PSI, "bf16", 3, 8, True, True, layer=10_000_000)
+    assert s.weights == 2 * 10_000_000 * 2 and s.host == (12 + 2 + 2) * PSI / 8
+
+
+def test_kv_cache_and_activation_counts():
+    a = Arch(hidden=896, layers=24, intermediate=4864, vocab=151936, heads=14, kv_heads=2, head_dim=64, tied=True,
+             qkv_bias=True)
+    # 2 x 24 layers x 2 kv heads x 64 x 2 bytes = 12,288 bytes per token; 8 rows x 1,000 tokens.
+    assert kv_cache_bytes(a, 8, 1000, 2) == 12_288 * 8_000
+    # 6h + 2q + 2kv + 4i + heads + seq = 5376 + 1792 + 256 + 19456 + 14 + 100
+    assert activation_elements_per_token(a, 100) == 26_994
+
+
+def test_activation_count_matches_saved_tensors_of_a_real_block():
+    """Elements the tiny Llama saves for backward, by torch's saved-tensor hooks: one block's share equals the
+    formula (to the RMSNorm's per-token rsqrt: 2 elements)."""
+    from rlcli.models import response_logprobs
+    from rlcli.models.tiny import TinyModelConfig, build_tiny_model, load_tiny_tokenizer
+
+    tok = load_tiny_tokenizer()
+
+    def saved_elements(layers: int) -> int:
+        model = build_tiny_model(TinyModelConfig(hidden_size=128, num_layers=layers, num_heads=4,
+                                                 intermediate_size=512), tok, 0)
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        prompt_mask = torch.ones(4, 6, dtype=torch.long)
+        prompt_mask[0, :2] = 0  # a padded batch, as rollouts are
+        storages: dict[int, int] = {}
+
+        def pack(x):
+            if x.untyped_storage().data_ptr() not in params:
+                storages[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes() // x.element_size()
+            return x
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            response_logprobs(model, torch.randint(4, 100, (4, 6)), prompt_mask, torch.randint(4, 100, (4, 10)),
+                              torch.ones(4, 10, dtype=torch.long), 1.0, chunk=256)
+        return sum(storages.values())
+
+    per_block = saved_elements(2) - saved_elements(1)
+    arch = Arch(128, 2, 512, 100, 4, 4, 32, True, False)
+    assert per_block == activation_elements_per_token(arch, 16) * 4 * 16 + 2 * 4 * 16
+
+
+def test_param_count_equals_the_real_models():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from rlcli.gpu_smoke import QWEN25_05B
+    from rlcli.models.tiny import TinyModelConfig, build_tiny_model, load_tiny_tokenizer
+
+    tok = load_tiny_tokenizer()
+    for tiny in (TinyModelConfig(), TinyModelConfig(hidden_size=512, num_layers=8, num_heads=8, intermediate_size=2048,
+                                                    tie_word_embeddings=False)):
+        real = sum(p.numel() for p in build_tiny_model(tiny, tok, 0).parameters())
+        assert param_count(arch_of(SimpleNamespace(path=None, tiny=tiny))) == real
+    for preset, shape in (("qwen2.5-0.5b", QWEN25_05B), ("qwen2.5-32b", None)):
+        arch = arch_of(compose_cfg(f"model={preset}").model)
+        if shape is None:  # the 32B preset's own numbers, built on the meta device (no memory)
+            shape = {"hidden_size": arch.hidden, "intermediate_size": arch.intermediate, "vocab_size": arch.vocab,
+                     "num_hidden_layers": arch.layers, "num_attention_heads": arch.heads,
+                     "num_key_value_heads": arch.kv_heads, "tie_word_embeddings": arch.tied}
+        with torch.device("meta"):
+            real = sum(p.numel() for p in Qwen2ForCausalLM(Qwen2Config(**shape)).parameters())
+        assert param_count(arch) == real
+    assert param_count(arch_of(compose_cfg("model=qwen2.5-0.5b").model)) == 494_032_768  # card: 0.49B
+    assert param_count(arch_of(compose_cfg("model=qwen2.5-32b").model)) == 32_763_876_352  # card: 32.5B
+
+
+def test_lora_count_and_local_config_json(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 256,
+        "vocab_size": 100, "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True}))
+    arch = arch_of(SimpleNamespace(path=str(tmp_path)))
+    assert (arch.kv_width, arch.qkv_bias, arch.tied) == (32, False, True)
+    lora = SimpleNamespace(r=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    assert lora_param_count(arch, lora) == 2 * 8 * ((64 + 64) + (64 + 32) + (256 + 64))
+
+
+def test_reference_and_critic_rows_follow_the_algorithm():
+    grpo = estimate(compose_cfg("algo=grpo"))  # kl_coef 0.04: a frozen copy
+    assert grpo.rows["reference model"] == grpo.rows["weights"] and grpo.rows["critic"] == 0
+    assert estimate(compose_cfg("algo=dapo")).rows["reference model"] == 0  # kl_coef 0
+    ppo = estimate(compose_cfg("algo=ppo"))  # gae needs values: backbone + head, own Adam
+    assert ppo.rows["critic"] > 0.9 * (ppo.rows["weights"] + ppo.rows["gradients"] + ppo.rows["optimizer states"])
+    lora = estimate(compose_cfg("algo=grpo", "model.lora.r=8"))
+    assert lora.rows["reference model"] == 0 and lora.rows["gradients"] < 0.1 * grpo.rows["gradients"]
+
+
+@pytest.mark.parametrize("engine,fix", [("vllm", "rollout.tensor_parallel_size=2"), ("hf", "rollout.gen_batch_size=")])
+def test_the_32b_dapo_plan_does_not_fit_and_names_fixes_that_do(engine, fix):
+    """vLLM's 61 GiB of bf16 weights exceed the 0.4 x 80 GiB reservation at one GPU per engine; HF generate's KV
+    cache for 128 rows of 20,736 tokens is 648 GiB."""
+    cfg = compose_cfg("model=qwen2.5-32b", "hw=8xa100", "algo=dapo", f"rollout.engine={engine}")
+    plan = estimate(cfg)
+    assert plan.fits is False
+    text = render(cfg, plan)
+    assert fix in text and "memory-only changes that fit together" in text
+
+
+def test_train_refuses_a_job_that_cannot_fit_before_loading_anything(tmp_path):
+    run = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-m", "rlcli", "train", "hw.device_memory_gb=0.01", f"hydra.run.dir={run}"],
+                         cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode != 0
+    assert "DOES NOT FIT" in out.stderr and "hw.check_memory=false" in out.stderr and "hw.micro_batch=" in out.stderr
+    assert not (run / "config.yaml").exists()  # refused before the config was frozen, let alone a model loaded
+
+
+@pytest.mark.slow
+def test_estimate_matches_measured_peak_memory_on_cpu():
+    """Two shapes of the tiny model, two training steps each on hw=cpu (the second is the steady state: Adam states exist during its update); the job's own memory (peak RSS minus the
+    RSS of the idle, imported runtime, both measured in the training process) against the estimate minus its
+    runtime row. Measured numbers: docs/memory.md."""
+    common = ["model.warm_start.enabled=false", "rollout.prompts_per_step=4", "rollout.n=4", "eval.before=false",
+              "save=false", "data.eval_size=8", "data.train_size=64", "checkpoint.every=0", "hw.micro_batch=16"]
+    shapes = {
+        "8x512": ["model.tiny.num_layers=8", "model.tiny.hidden_size=512", "model.tiny.num_heads=8",
+                  "model.tiny.intermediate_size=2048"],
+        "8x640": ["model.tiny.num_layers=8", "model.tiny.hidden_size=640", "model.tiny.num_heads=10",
+                  "model.tiny.intermediate_size=2560"],
+    }
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RLCLI_CACHE": os.environ.get("RLCLI_CACHE", "/tmp/rlcli-test-cache")}
+    errors = {}
+    for name, shape in shapes.items():
+        out = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "peak_memory.py"), "2", *common, *shape],
+                             capture_output=True, text=True, env=env, check=True)
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        measured, estimated = r["peak_gib"] - r["baseline_gib"], r["estimate_gib"] - r["runtime_gib"]
+        errors[name] = (estimated, measured, (estimated - measured) / measured)
+    assert all(abs(e) < 0.25 for _, _, e in errors.values()), errors
+    assert GIB == 2**30
