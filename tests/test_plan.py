@@ -17,7 +17,6 @@ from hydra import compose, initialize_config_dir
 
 from rlcli.config import register_configs
 from rlcli.plan import (
-    GIB,
     Arch,
     activation_elements_per_token,
     arch_of,
@@ -186,9 +185,8 @@ def test_estimate_matches_measured_peak_memory_on_cpu():
     errors = {}
     for name, shape in shapes.items():
         out = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "peak_memory.py"), "2", *common, *shape],
-                             capture_output=True, text=True, env=env, check=True)
+                             capture_output=True, text=True, env=env, check=True, timeout=600)
         r = json.loads(out.stdout.strip().splitlines()[-1])
         measured, estimated = r["peak_gib"] - r["baseline_gib"], r["estimate_gib"] - r["runtime_gib"]
         errors[name] = (estimated, measured, (estimated - measured) / measured)
     assert all(abs(e) < 0.25 for _, _, e in errors.values()), errors
-    assert GIB == 2**30
