@@ -25,7 +25,7 @@ sft: install
 	$(VENV)/bin/rlcli sft $(ARGS)
 
 test: install  ## the whole suite, CPU, offline
-	$(VENV)/bin/python -m pytest -q $(ARGS)
+	$(VENV)/bin/python -m pytest -q --durations=20 $(ARGS)
 
 test-fast: install  ## skip the end-to-end runs
 	$(VENV)/bin/python -m pytest -q -m "not slow" $(ARGS)

@@ -143,7 +143,7 @@ class Trainer:
         self.eval_examples = evals[: cfg.eval.size] if cfg.eval.size else evals
         self.rollout = ROLLOUT_ENGINES[r.engine](self.actor.module, self.tokenizer, self.model_path, cfg)
         self.sampler = GroupSampler(self.p_local, a.dynamic_sampling, a.filter_metric, a.max_gen_batches,
-                                    a.train_on_partial, agree=agree_min)
+                                    a.train_on_partial, agree=agree_min, lockstep=self.lockstep)
         self.next_group = self.rank * 10**9  # group ids unique across ranks and steps
         self.timer = Timer()  # the current step's stage timer (its last stage is named in errors)
         self.start_step, self.result, self.train_seconds = 0, {}, 0.0

@@ -212,14 +212,19 @@ def test_two_processes_and_micro_batches_give_the_same_step(tmp_path, agg, algo)
             assert (other["grads"][n] - g).abs().max().item() <= 1e-5 * scale + 1e-12, n
 
 
+@pytest.fixture(scope="module")
+def one_batch_zero0(tmp_path_factory):
+    return one_update(tmp_path_factory.mktemp("zero0"), "one", 1)
+
+
 @pytest.mark.parametrize("zero_stage", [1, 2, 3])
-def test_zero_stages_accumulate_micro_batches(tmp_path, zero_stage):
+def test_zero_stages_accumulate_micro_batches(tmp_path, zero_stage, one_batch_zero0):
     """The loop runs forward passes on the module, not through DeepSpeed's engine.forward, where ZeRO's
     optimizers close a micro-step; without that each ZeRO-3 backward overwrote the gradient partitions and
     only the last micro-batch's gradient was applied (grad norm 1.54 instead of 2.95 here). One micro-batch
     at ZeRO-0 and micro-batches of 3 rows at ZeRO-1/2/3 must give the same gradient norm (1e-5 relative:
     summation order)."""
-    base = one_update(tmp_path, "one", 1)
+    base = one_batch_zero0
     micro = one_update(tmp_path, "micro", 1, [f"hw.zero_stage={zero_stage}", "hw.micro_batch=3"])
     for k in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
         assert micro["metrics"][k] == pytest.approx(base["metrics"][k], rel=1e-5, abs=1e-7), k

@@ -280,12 +280,18 @@ def is_partitioned(module: torch.nn.Module) -> bool:
     return any(hasattr(p, "ds_id") for p in module.parameters())
 
 
-def full_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def full_weights(module: torch.nn.Module, tied: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) over the module's whole state dict, on every rank, one tensor at a time. Under ZeRO-3
     each parameter is gathered only while it is yielded: use or copy it before taking the next. A peft LoRA
     model yields its base weights with the adapters merged in (W + scale * B @ A) under the base model's own
-    names, computed aside (the model is unchanged). All ranks iterate it to the end together."""
+    names, computed aside (the model is unchanged). A tied weight comes under each of its names (vLLM's
+    in-place reload needs lm_head.weight even when it is the input embedding), or with `tied=False` under
+    its first name only (a checkpoint: transformers re-ties it on load). All ranks iterate it to the end
+    together."""
     import deepspeed
+
+    def entries(state: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(state.items()) if tied else untied(state)
 
     if hasattr(module, "get_base_model"):  # peft LoRA (refused with ZeRO-3: the weights are whole here)
         from peft.tuners.lora import LoraLayer
@@ -293,25 +299,36 @@ def full_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         base = module.get_base_model()
         delta = {name: m.get_delta_weight(m.active_adapters[0])
                  for name, m in base.named_modules() if isinstance(m, LoraLayer)}
-        for key, value in base.state_dict().items():
+        for key, value in entries(base.state_dict()):
             if "lora_" not in key:
                 layer, _, leaf = key.rpartition(".base_layer.")
                 merged = value + delta[layer] if layer in delta and leaf == "weight" else value
                 yield (f"{layer}.{leaf}" if layer else key), merged.detach()
     elif not is_partitioned(module):  # ZeRO 0-2
-        yield from ((n, t.detach()) for n, t in module.state_dict().items())
+        yield from ((n, t.detach()) for n, t in entries(module.state_dict()))
     else:
-        for name, p in module.named_parameters():
+        for name, p in module.named_parameters(remove_duplicate=not tied):
             with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
                 yield name, p.detach()
         persistent = module.state_dict().keys()
         yield from ((n, b.detach()) for n, b in module.named_buffers() if n in persistent)
 
 
+def untied(state: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The entries of a state dict without the second name of a tied weight (lm_head.weight when it is the
+    input embedding), which transformers re-ties on load."""
+    seen: set[int] = set()
+    for name, t in state.items():
+        if t.numel() and t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        yield name, t
+
+
 def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
-    """`full_weights` collected on rank 0's CPU (None on other ranks; peak beyond it: one tensor). All ranks
-    call it."""
-    weights = full_weights(module)
+    """`full_weights` collected on rank 0's CPU, a tied weight under its first name (None on other ranks; peak
+    beyond it: one tensor). All ranks call it."""
+    weights = full_weights(module, tied=False)
     if rank() != 0:
         for _ in weights:  # join the gathers
             pass

@@ -53,10 +53,11 @@ class GroupSampler:
 
     def __init__(
         self, need: int, dynamic: bool, filter_metric: str, max_gen_batches: int, train_on_partial: bool,
-        agree: Callable[[int], int] = lambda k: k,
+        agree: Callable[[int], int] = lambda k: k, lockstep: bool = False,
     ):
         self.need, self.dynamic, self.filter_metric = need, dynamic, filter_metric
         self.max_gen_batches, self.train_on_partial, self.agree = max_gen_batches, train_on_partial, agree
+        self.lockstep = lockstep  # ZeRO-3 over ranks: each forward pass is a collective (rlcli.engine.lockstep)
         self.carry: RolloutBatch | None = None
 
     def filter_values(self, b: RolloutBatch) -> Tensor:
@@ -97,11 +98,9 @@ class GroupSampler:
         take = min(held, self.need)
         batch = RolloutBatch.cat([p for p in parts if len(p)])
         groups = batch.groups
-        # Every rank records old log-probs, of an empty surplus too: under ZeRO-3 a forward pass is a
-        # collective, so ranks run the same passes whether or not they carry.
-        surplus = self.stale_copy(batch.select_groups(groups[take:]), record_old_logp)
-        self.carry = surplus if len(surplus) else None
-        if len(groups) > take:
+        if len(groups) > take or self.lockstep:  # lockstep: ranks without a surplus join the forward passes
+            surplus = self.stale_copy(batch.select_groups(groups[take:]), record_old_logp)
+            self.carry = surplus if len(surplus) else None
             batch = batch.select_groups(groups[:take])
         generated = sum(len(p.groups) for p in pool)
         counts = {
