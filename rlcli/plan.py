@@ -557,7 +557,9 @@ Prints, in GiB per device: the policy's weights, gradients and optimizer states 
 over hw.nproc x hw.nnodes ranks, hw.offload_optimizer, hw.offload_params), the reference model (algo.kl_coef > 0,
 none with LoRA), the critic (estimators that need values), the update's activations (model.gradient_checkpointing,
 hw.micro_batch, hw.max_tokens_per_micro_batch), the log-prob pass's logits (hw.logits_chunk) and the rollout's
-KV cache (rollout.gen_batch_size); then the peak against the device's memory (hw.device_memory_gb; null = this
+memory (rollout.engine=hf: the KV cache of rollout.gen_batch_size rows; vllm: the engine's reservation,
+rollout.gpu_memory_utilization, held through the update unless rollout.sleep_mode); then the peak against
+the device's memory (hw.device_memory_gb; null = this
 machine's GPU, or its RAM on CPU) and, when it does not fit, the changes to try with the estimate after each.
 The architecture comes from model.path's config.json (a local directory), model.arch (hub presets) or
 model.tiny. `rlcli train` runs the same check first (hw.check_memory). Formulas and sources: docs/memory.md.

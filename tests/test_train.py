@@ -230,15 +230,21 @@ def test_zero_stages_accumulate_micro_batches(tmp_path, zero_stage, one_batch_ze
         assert micro["metrics"][k] == pytest.approx(base["metrics"][k], rel=1e-5, abs=1e-7), k
 
 
+@pytest.fixture(scope="module")
+def warm_cache_dir(tmp_path_factory):
+    """A working directory whose ./cache (RLCLI_CACHE) holds the warm start once for the tests that share it."""
+    return tmp_path_factory.mktemp("warm")
+
+
 @pytest.mark.parametrize("zero_stage", [0, 3])
-def test_cpu_x2_dynamic_sampling_with_train_on_partial_never_deadlocks(tmp_path, zero_stage):
+def test_cpu_x2_dynamic_sampling_with_train_on_partial_never_deadlocks(tmp_path, zero_stage, warm_cache_dir):
     """Two ranks keep different numbers of informative groups when the generation cap is hit. They must
     agree on one count (the minimum) and so run the same optimizer steps and collectives: the run
     finishes (the subprocess timeout turns a deadlock into a failure) and rank 0 logs global counts.
     Under ZeRO-3 every forward pass is a collective too: ranks carrying different numbers of groups still
     run the same old-log-prob passes."""
     run = tmp_path / "run"
-    rlcli(tmp_path, "train", "hw=cpu_x2", f"hw.zero_stage={zero_stage}", "hw.collective_timeout_s=120", "algo=dapo",
+    rlcli(warm_cache_dir, "train", "hw=cpu_x2", f"hw.zero_stage={zero_stage}", "hw.collective_timeout_s=120", "algo=dapo",
           "steps=2", "save=false", "eval.before=false",
           "data.eval_size=4", "algo.filter_metric=score", "rollout.overlong_buffer_len=4",
           "algo.max_gen_batches=1", "algo.train_on_partial=true", "rollout.prompts_per_step=16",
