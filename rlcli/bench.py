@@ -4,7 +4,7 @@
    engine (hf, vllm) and shape, each in a fresh process, and prints them side by side: the median seconds
    per stage, generated tokens per second, reward-verifier throughput and the process's peak memory. The
    shapes: the embedded tiny model as `rlcli train` runs it, and a larger one (8 layers x 512 wide, random
-   weights, 256 new tokens: every response runs to the budget). Extra arguments are Hydra overrides for
+   weights, up to 256 new tokens). Extra arguments are Hydra overrides for
    every run, e.g. `make bench ARGS="algo=vapo hw.num_threads=1"`.
 2. Measures the peak memory of one log-prob + entropy scoring pass at Qwen2.5's vocabulary (152,064)
    for each `hw.logits_chunk`, each in a fresh process (peak RSS above the process's RSS after the
@@ -50,7 +50,7 @@ def scoring_pass(chunk: int) -> None:
 
 SHAPES = {
     "tiny (rlcli train)": [],
-    "8 x 512, 256 new tokens": ["model.warm_start.enabled=false", "model.tiny.num_layers=8", "model.tiny.hidden_size=512",
+    "8 x 512, up to 256 new tokens": ["model.warm_start.enabled=false", "model.tiny.num_layers=8", "model.tiny.hidden_size=512",
                                 "model.tiny.intermediate_size=2048", "model.tiny.num_heads=8", "rollout.max_new_tokens=256",
                                 "rollout.overlong_buffer_len=32", "rollout.prompts_per_step=4"],
 }
