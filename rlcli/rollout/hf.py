@@ -55,6 +55,41 @@ def own_generation_config(model: torch.nn.Module) -> Iterator[None]:
         model.generation_config = saved
 
 
+def encode_prompts(tokenizer: Any, prompts: list[str], n: int) -> tuple[Tensor, Tensor]:
+    """Each prompt's tokens, left-padded, repeated for its `n` responses: (prompt_ids, prompt_mask) [P*n, Tp]."""
+    tokenizer.padding_side = "left"
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    return enc["input_ids"].repeat_interleave(n, 0), enc["attention_mask"].repeat_interleave(n, 0)
+
+
+def rollout_batch(tokenizer: Any, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
+                  rollout_logp: Tensor | None, answers: list[str], n: int, group_offset: int) -> RolloutBatch:
+    """What every engine returns, from its generated tokens [N, T] (any padding after the first EOS) and, if
+    asked, the sampler's log-probs of them [N, T]: masks up to and including the first EOS, `truncated`,
+    padding set to the pad token (log-probs 0), texts decoded by our tokenizer, rows grouped by prompt."""
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    response_mask, truncated = response_mask_from_ids(response_ids, eos)
+    response_ids = torch.where(response_mask.bool(), response_ids, torch.full_like(response_ids, pad))
+    if rollout_logp is not None:
+        rollout_logp = rollout_logp.nan_to_num(neginf=0.0) * response_mask  # [N, T], 0 on padding
+    texts = tokenizer.batch_decode(
+        [ids[: int(m.sum())] for ids, m in zip(response_ids, response_mask)], skip_special_tokens=True
+    )
+    group_index = torch.arange(len(answers)).repeat_interleave(n) + group_offset  # [N]
+    return RolloutBatch(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        response_ids=response_ids,
+        response_mask=response_mask,
+        truncated=truncated,
+        group_index=group_index,
+        answers=[a for a in answers for _ in range(n)],
+        texts=texts,
+        rollout_logp=rollout_logp,
+        stale=torch.zeros(len(group_index), dtype=torch.bool),
+    )
+
+
 @torch.no_grad()
 def generate(
     model: torch.nn.Module,
@@ -80,10 +115,7 @@ def generate(
     rank keeps stepping until all ranks' batches are done.
     """
     device = next(model.parameters()).device
-    tokenizer.padding_side = "left"
-    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-    prompt_ids = enc["input_ids"].repeat_interleave(n, 0)  # [P*G, Tp]
-    prompt_mask = enc["attention_mask"].repeat_interleave(n, 0)  # [P*G, Tp]
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, n)  # [P*G, Tp] each
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     config = sampling_config(max_new_tokens, temperature, top_p, top_k, eos, pad)
     was_training = model.training
@@ -105,28 +137,10 @@ def generate(
     response_ids = torch.cat(
         [torch.nn.functional.pad(c, (0, t - c.shape[1]), value=pad) for c in chunks]
     )  # [N, T]
-    response_mask, truncated = response_mask_from_ids(response_ids, eos)
-    response_ids = torch.where(response_mask.bool(), response_ids, torch.full_like(response_ids, pad))
     rollout_logp = None
     if with_logprobs:
-        rollout_logp = torch.cat([torch.nn.functional.pad(c, (0, t - c.shape[1])) for c in logp_chunks])
-        rollout_logp = rollout_logp.nan_to_num(neginf=0.0) * response_mask  # [N, T], 0 on padding
-    texts = tokenizer.batch_decode(
-        [ids[: int(m.sum())] for ids, m in zip(response_ids, response_mask)], skip_special_tokens=True
-    )
-    group_index = torch.arange(len(prompts)).repeat_interleave(n) + group_offset  # [N]
-    return RolloutBatch(
-        prompt_ids=prompt_ids,
-        prompt_mask=prompt_mask,
-        response_ids=response_ids,
-        response_mask=response_mask,
-        truncated=truncated,
-        group_index=group_index,
-        answers=[a for a in answers for _ in range(n)],
-        texts=texts,
-        rollout_logp=rollout_logp,
-        stale=torch.zeros(len(group_index), dtype=torch.bool),
-    )
+        rollout_logp = torch.cat([torch.nn.functional.pad(c, (0, t - c.shape[1])) for c in logp_chunks])  # [N, T]
+    return rollout_batch(tokenizer, prompt_ids, prompt_mask, response_ids, rollout_logp, answers, n, group_offset)
 
 
 class HFEngine:

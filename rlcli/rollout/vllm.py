@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from rlcli.batch import RolloutBatch
-from rlcli.rollout.hf import response_mask_from_ids
+from rlcli.rollout.hf import encode_prompts, rollout_batch
 from rlcli.rollout.sampling import Sampling
 
 
@@ -65,11 +65,7 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         self.wake()
-        tok = self.tokenizer
-        tok.padding_side = "left"
-        enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-        prompt_ids = enc["input_ids"].repeat_interleave(n, 0)  # [N, Tp]
-        prompt_mask = enc["attention_mask"].repeat_interleave(n, 0)  # [N, Tp]
+        prompt_ids, prompt_mask = encode_prompts(self.tokenizer, prompts, n)  # [N, Tp] each
         requests = [TokensPrompt(prompt_token_ids=ids[m.bool()].tolist()) for ids, m in zip(prompt_ids, prompt_mask)]
         seeds = torch.randint(0, 2**31 - 1, (len(requests),)).tolist()  # one per trajectory, from torch's RNG
         greedy = sampling.temperature == 0
@@ -80,9 +76,8 @@ class VLLMEngine:
         ) for s in seeds]
         outs = self.llm.generate(requests, params, use_tqdm=False)
         completions = [o.outputs[0] for o in outs]
-        eos, pad = tok.eos_token_id, tok.pad_token_id
         t = max(1, max(len(c.token_ids) for c in completions))
-        response_ids = torch.full((len(completions), t), pad, dtype=torch.long)  # [N, T]
+        response_ids = torch.full((len(completions), t), self.tokenizer.pad_token_id, dtype=torch.long)  # [N, T]
         rollout_logp = torch.zeros(len(completions), t) if with_logprobs else None  # [N, T]
         for i, c in enumerate(completions):
             response_ids[i, : len(c.token_ids)] = torch.tensor(c.token_ids, dtype=torch.long)
@@ -92,18 +87,8 @@ class VLLMEngine:
         if self.sleep_mode:
             self.llm.sleep(level=1)  # free the KV cache and offload the weights while the actor trains
             self.asleep = True
-        response_mask, truncated = response_mask_from_ids(response_ids, eos)
-        response_ids = torch.where(response_mask.bool(), response_ids, torch.full_like(response_ids, pad))
-        if rollout_logp is not None:
-            rollout_logp = rollout_logp.nan_to_num(neginf=0.0) * response_mask
-        texts = tok.batch_decode([ids[: int(m.sum())] for ids, m in zip(response_ids, response_mask)],
-                                 skip_special_tokens=True)
-        return RolloutBatch(
-            prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids, response_mask=response_mask,
-            truncated=truncated, group_index=torch.arange(len(prompts)).repeat_interleave(n) + group_offset,
-            answers=[a for a in answers for _ in range(n)], texts=texts, rollout_logp=rollout_logp,
-            stale=torch.zeros(len(completions), dtype=torch.bool),
-        )
+        return rollout_batch(self.tokenizer, prompt_ids, prompt_mask, response_ids, rollout_logp, answers, n,
+                             group_offset)
 
     def update_weights(self) -> None:
         """Load the policy's current weights into the engine in place (one tensor at a time: gathered under
