@@ -162,7 +162,7 @@ def test_the_32b_dapo_plan_does_not_fit_and_names_fixes_that_do(engine, fix):
 def test_train_refuses_a_job_that_cannot_fit_before_loading_anything(tmp_path):
     run = tmp_path / "run"
     out = subprocess.run([sys.executable, "-m", "rlcli", "train", "hw.device_memory_gb=0.01", f"hydra.run.dir={run}"],
-                         cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                         cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
     assert out.returncode != 0
     assert "DOES NOT FIT" in out.stderr and "hw.check_memory=false" in out.stderr and "hw.micro_batch=" in out.stderr
     assert not (run / "config.yaml").exists()  # refused before the config was frozen, let alone a model loaded
