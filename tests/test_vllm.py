@@ -95,7 +95,8 @@ def test_sampled_token_logprobs_equal_the_trainers(engines):
 
 def test_the_engine_follows_an_optimizer_step(engines):
     """After an optimizer step on the policy and update_weights(), greedy vLLM output equals HF generate on
-    the new weights, and differs from the output before the step (the push took effect, in place)."""
+    the new weights, and differs from the output before the step (the push took effect, in place); sampled
+    log-probs equal the trainer's on the new weights."""
     model, tok, hf, vllm = engines
     before = greedy(vllm)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
@@ -108,6 +109,12 @@ def test_the_engine_follows_an_optimizer_step(engines):
     after = greedy(vllm)
     assert_same_rollout(after, greedy(hf))
     assert after.texts != before.texts
+    # Every weight followed, the output head too (greedy argmax alone can survive a stale head): the sampled
+    # tokens' log-probs equal the trainer's on the new weights, as before the step.
+    b = vllm.generate(PROMPTS, ["0"] * 4, 2, Sampling(24, 0.7), with_logprobs=True)
+    with torch.no_grad():
+        logp, _ = response_logprobs(model, b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask, 0.7)
+    assert ((logp - b.rollout_logp) * b.response_mask).abs().max().item() < 1e-4
 
 
 def test_grpo_trains_resumes_and_evaluates_with_vllm_like_hf(tmp_path):
