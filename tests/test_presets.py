@@ -1,10 +1,20 @@
-"""Every algorithm preset trains 2 steps on the tiny model: parameters move, metrics are finite.
+"""Every algorithm preset trains 2 steps on the tiny model: parameters move, metrics are finite, and the
+losses equal committed golden numbers (torchtune's `loss_values_map` habit): a refactor of the loop must
+leave every preset's first two steps unchanged.
 
 Random-init tiny model with a scripted user reward (count of '7's) so groups have reward variance;
 DAPO filters on that score (its default filter, acc, is always 0 for a random model).
+
+Golden numbers: tests/golden/preset_losses.json, compared with rtol=1e-4, atol=1e-6 (CPU, fp32, one
+thread). Regenerate after a deliberate change of the math with
+    RLCLI_REGEN_GOLDEN=1 .venv/bin/python -m pytest tests/test_presets.py -k trains_two_steps
+and say in the commit why the numbers moved.
 """
 
+import json
 import math
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,7 +37,27 @@ PRESETS = {
     "dapo": ["algo.filter_metric=score", "rollout.overlong_buffer_len=4"],
     "gspo": [],  # mini_batches 4: 4 prompts -> 1 per mini-batch, off-policy after the first
     "cispo": [],
+    "ppo": [],
+    "vapo": ["critic.pretrain_steps=2", "rollout.overlong_buffer_len=4"],
 }
+GOLDEN_FILE = Path(__file__).parent / "golden" / "preset_losses.json"
+GOLDEN_KEYS = ("actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "actor/entropy", "reward/mean")
+REGEN = bool(os.environ.get("RLCLI_REGEN_GOLDEN"))
+
+
+def check_golden(preset: str, got: dict[str, list[float]]) -> None:
+    """Compare (or, with RLCLI_REGEN_GOLDEN=1, record) a preset's per-step golden metrics."""
+    golden = json.loads(GOLDEN_FILE.read_text()) if GOLDEN_FILE.exists() else {}
+    if REGEN:
+        golden[preset] = got
+        GOLDEN_FILE.write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
+        return
+    assert preset in golden, f"no golden numbers for {preset}: run with RLCLI_REGEN_GOLDEN=1"
+    assert got.keys() == golden[preset].keys(), (preset, sorted(got), sorted(golden[preset]))
+    for key, want in golden[preset].items():
+        torch.testing.assert_close(torch.tensor(got[key], dtype=torch.float64),
+                                   torch.tensor(want, dtype=torch.float64), rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, key=key: f"{preset} {key}: {m}")
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -46,9 +76,15 @@ def test_preset_trains_two_steps(preset, tmp_path, monkeypatch):
     t = Trainer(cfg)
     try:
         assert (t.ref is not None) == (cfg.algo.kl_coef > 0)  # no reference model without KL
+        got: dict[str, list[float]] = {}
+        if t.pretrain_steps:  # VAPO: value pretraining first, as fit() runs it
+            got["pretrain/vf_loss"] = [t.pretrain_critic()["vf_loss"]]
         before = {n: p.detach().clone() for n, p in t.actor.module.named_parameters()}
         for step in (1, 2):
             m = t.train_step(step)
+            for k in GOLDEN_KEYS:
+                if k in m:
+                    got.setdefault(k, []).append(m[k])
             for k, v in m.items():
                 assert math.isfinite(v), (k, v)
             assert m["actor/grad_norm"] > 0 and m["actor/skipped_steps"] == 0
@@ -58,6 +94,7 @@ def test_preset_trains_two_steps(preset, tmp_path, monkeypatch):
         if cfg.algo.kl_coef > 0:
             assert ("actor/reward_kl" in m) == cfg.algo.kl_in_reward
             assert ("actor/kl_loss" in m) == (not cfg.algo.kl_in_reward)
+        check_golden(preset, got)
     finally:
         t.rewards.close()
 
