@@ -36,9 +36,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-import torch
-
 LATEST = "latest"
 
 # Keys a resumed run may change (exact keys, and groups by prefix); every other key must equal the
@@ -193,6 +190,9 @@ def commit(run_dir: str, step: int, keep_last: int, rank: int, barrier: Any) -> 
 
 
 def rng_state() -> dict[str, Any]:
+    import numpy as np
+    import torch
+
     return {
         "python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,  # this rank's device
@@ -200,6 +200,9 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+    import torch
+
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])

@@ -22,10 +22,8 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from rlcli.algos.config import AlgoConfig
 from rlcli.checkpoint import CheckpointConfig
 from rlcli.data.config import DataConfig
-from rlcli.models.tiny import TinyModelConfig
-from rlcli.models.value import CriticConfig
+from rlcli.models.config import CriticConfig, TinyModelConfig, WarmStartConfig
 from rlcli.rewards.config import RewardConfig, group_base
-from rlcli.sft import WarmStartConfig
 
 
 @dataclass
@@ -328,7 +326,7 @@ def validate(cfg: DictConfig | Any) -> None:
     """Cross-field checks that types alone cannot express; raise ValueError naming key and fix."""
     from rlcli.algos.config import validate as validate_algo
     from rlcli.data.config import validate as validate_data
-    from rlcli.models.value import validate_critic
+    from rlcli.models.config import validate_critic
     from rlcli.rewards.config import validate as validate_reward
 
     validate_algo(cfg.algo)
@@ -402,7 +400,7 @@ def validate(cfg: DictConfig | Any) -> None:
         raise ValueError(f"eval.k={cfg.eval.k} samples need eval.temperature > 0 (greedy gives k copies)")
     if any(not 1 <= j <= cfg.eval.k for j in cfg.eval.pass_ks):
         raise ValueError(f"eval.pass_ks={list(cfg.eval.pass_ks)} must lie in [1, eval.k={cfg.eval.k}]")
-    from rlcli.rollout import ROLLOUT_ENGINES
+    from rlcli.names import ROLLOUT_ENGINES
 
     ROLLOUT_ENGINES.check(r.engine, "rollout.engine")
     if r.engine == "vllm":
@@ -422,7 +420,7 @@ def validate(cfg: DictConfig | Any) -> None:
 
 def validate_switches(cfg: Any) -> None:
     """A switch that is on must act: reject the combinations in which one would silently do nothing."""
-    from rlcli.algos.advantages import GROUP_ESTIMATORS, NEEDS_VALUES
+    from rlcli.names import GROUP_ESTIMATORS, NEEDS_VALUES
 
     a, c = cfg.algo, cfg.critic
     needs_critic = {

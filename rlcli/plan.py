@@ -65,7 +65,7 @@ def arch_of(model_cfg: Any) -> Arch:
     """The architecture of `model_cfg`'s policy, read without loading weights: a local model.path's config.json,
     else model.arch (hub ids; presets ship it), else model.tiny (model.path null)."""
     if model_cfg.path is None:
-        from rlcli.models.tiny import CHARS, SPECIAL_TOKENS
+        from rlcli.models.config import CHARS, SPECIAL_TOKENS
 
         t = model_cfg.tiny
         return Arch(t.hidden_size, t.num_layers, t.intermediate_size, len(SPECIAL_TOKENS) + len(CHARS), t.num_heads,
@@ -276,8 +276,8 @@ def device_memory(hw: Any) -> tuple[float | None, str]:
 
 def estimate(cfg: Any) -> Plan:
     """The per-device memory plan of a composed config (see the module docstring)."""
-    from rlcli.algos.advantages import NEEDS_VALUES
     from rlcli.config import batch_units, world_size
+    from rlcli.names import NEEDS_VALUES
 
     hw, m, r, a = cfg.hw, cfg.model, cfg.rollout, cfg.algo
     arch = arch_of(m)

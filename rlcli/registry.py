@@ -12,16 +12,22 @@ from typing import Any
 
 
 class Registry(dict[str, Callable[..., Any]]):
-    """A dict of named functions of one kind with a decorator and a helpful lookup error."""
+    """A dict of named functions of one kind with a decorator and a helpful lookup error.
 
-    def __init__(self, kind: str):
+    `kind` is a plain name, or a `rlcli.names.Names` catalogue: then only its names may be registered, so
+    config validation can check names without importing the functions (and torch)."""
+
+    def __init__(self, kind: str | tuple[str, ...]):
         super().__init__()
-        self.kind = kind
+        self.declared = kind if not isinstance(kind, str) else None
+        self.kind = kind if isinstance(kind, str) else kind.kind
 
     def register(self, name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
             if name in self:
                 raise ValueError(f"{self.kind} {name!r} is registered twice")
+            if self.declared is not None and name not in self.declared:
+                raise ValueError(f"{self.kind} {name!r} is not declared in rlcli/names.py: add it there")
             self[name] = fn
             return fn
 

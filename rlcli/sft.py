@@ -54,7 +54,7 @@ import random
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +64,7 @@ from transformers import PreTrainedTokenizerBase, get_scheduler
 
 from rlcli.data.arith import arith_examples, is_correct
 from rlcli.data.config import DataConfig
+from rlcli.models.config import WarmStartConfig
 from rlcli.models.tiny import (
     TOKENIZER_DIR,
     TinyModelConfig,
@@ -76,30 +77,6 @@ log = logging.getLogger(__name__)
 
 WARM_START_VERSION = 1
 """Bump when the code behind warm_start changes what it produces: it invalidates every cache."""
-
-
-@dataclass
-class WarmStartConfig:
-    """Supervised warm-start of the tiny model before RL (cached; see rlcli/sft.py)."""
-
-    enabled: bool = True
-    """Train before RL; if false the cached 'checkpoint' is the random initialisation."""
-    steps: int = 200
-    """Optimizer steps of supervised training (calibrated: 47.5% held-out greedy acc by default, module doc)."""
-    batch_size: int = 32
-    """Examples per optimizer step; every example is new (steps * batch_size problems)."""
-    lr: float = 1e-3
-    """Peak AdamW learning rate (2e-3 learned slower and 3e-3 stalled: module docstring)."""
-    warmup: int = 10
-    """Linear warmup steps, then cosine decay to 0."""
-    seed: int = 0
-    """Seed of model init, training order and the sampled-accuracy probe."""
-    carry_slip: float = 0.6
-    """Chance that a demonstration forgets each carry it should take (imperfect SFT data; module doc)."""
-    eval_size: int = 200
-    """Held-out problems used to measure greedy and sampled accuracy after training."""
-    cache_dir: str | None = None
-    """Cache root; None means $RLCLI_CACHE, else ~/.cache/rlcli. Not part of the cache key."""
 
 
 def _encode_examples(

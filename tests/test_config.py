@@ -249,3 +249,27 @@ def test_no_citation_of_unshipped_documents():
             for i, line in enumerate(p.read_text(encoding="utf-8", errors="replace").splitlines(), 1)
             if unshipped.search(line)]
     assert not hits, "citations of documents the repository does not ship:\n" + "\n".join(hits)
+
+
+HEAVY = ("torch", "transformers", "deepspeed", "vllm", "math_verify")
+
+
+@pytest.mark.parametrize("argv", [
+    ["train", "algo.cliphigh_typo=0.3"],  # a typo: fails at compose time
+    ["train", "rollout.n=0"],  # a bad value: fails in validation, before anything loads
+    ["train", "--help"],
+    ["train", "algo=dapo", "--cfg", "job"],
+    ["explain", "algo"],
+    ["plan", "algo=dapo", "model=qwen2.5-32b", "hw=8xa100"],
+])  # fmt: skip
+def test_the_cli_answers_without_importing_the_heavy_stack(argv, tmp_path):
+    """Composing, validating, --help, --cfg, explain and plan need the schema, not torch (issue 21 §5): a
+    typo must fail before `import torch` alone would have finished."""
+    code = (
+        "import sys\nfrom rlcli.cli import main\n"
+        f"try:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
+        f"heavy = [m for m in {HEAVY!r} if m in sys.modules]\n"
+        "assert not heavy, heavy\nprint('LIGHT')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "LIGHT" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]

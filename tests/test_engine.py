@@ -8,7 +8,8 @@ import torch
 
 from rlcli import engine as eng
 from rlcli.config import HWConfig, OptimConfig
-from rlcli.models.tiny import TinyModelConfig, build_tiny_model, load_tiny_tokenizer
+from rlcli.models.config import TinyModelConfig
+from rlcli.models.tiny import build_tiny_model, load_tiny_tokenizer
 
 TINY = TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
 

@@ -77,7 +77,8 @@ def test_activation_count_matches_saved_tensors_of_a_real_block():
     """Elements the tiny Llama saves for backward, by torch's saved-tensor hooks: one block's share equals the
     formula (to the RMSNorm's per-token rsqrt: 2 elements)."""
     from rlcli.models import response_logprobs
-    from rlcli.models.tiny import TinyModelConfig, build_tiny_model, load_tiny_tokenizer
+    from rlcli.models.config import TinyModelConfig
+    from rlcli.models.tiny import build_tiny_model, load_tiny_tokenizer
 
     tok = load_tiny_tokenizer()
 
@@ -108,7 +109,8 @@ def test_param_count_equals_the_real_models():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from rlcli.gpu_smoke import QWEN25_05B
-    from rlcli.models.tiny import TinyModelConfig, build_tiny_model, load_tiny_tokenizer
+    from rlcli.models.config import TinyModelConfig
+    from rlcli.models.tiny import build_tiny_model, load_tiny_tokenizer
 
     tok = load_tiny_tokenizer()
     for tiny in (TinyModelConfig(), TinyModelConfig(hidden_size=512, num_layers=8, num_heads=8, intermediate_size=2048,

@@ -4,7 +4,8 @@ position ids, EOS masking included), and masks/truncation follow docs/design.md#
 import torch
 
 from rlcli.models import response_logprobs
-from rlcli.models.tiny import TinyModelConfig, build_tiny_model, load_tiny_tokenizer
+from rlcli.models.config import TinyModelConfig
+from rlcli.models.tiny import build_tiny_model, load_tiny_tokenizer
 from rlcli.rollout.hf import generate, response_mask_from_ids
 
 

@@ -8,16 +8,13 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from rlcli.data.arith import arith_examples
+from rlcli.models.config import CHARS, SPECIAL_TOKENS, TinyModelConfig, WarmStartConfig
 from rlcli.models.tiny import (
-    CHARS,
-    SPECIAL_TOKENS,
-    TinyModelConfig,
     build_tiny_model,
     build_tiny_tokenizer,
     load_tiny_tokenizer,
 )
 from rlcli.sft import (
-    WarmStartConfig,
     greedy_accuracy,
     sampled_accuracy,
     sft_train,

@@ -18,12 +18,11 @@ from omegaconf.errors import ValidationError
 
 from rlcli.algos.functional import value_loss
 from rlcli.models import response_logprobs
-from rlcli.models.tiny import TinyModelConfig, build_tiny_model, load_tiny_tokenizer
+from rlcli.models.config import HEADS, CriticConfig, TinyModelConfig, validate_critic
+from rlcli.models.tiny import build_tiny_model, load_tiny_tokenizer
 from rlcli.models.value import (
     HEAD_FILE,
     HEAD_JSON,
-    HEADS,
-    CriticConfig,
     ValueHeadSpec,
     ValueModel,
     augmented_values,
@@ -33,7 +32,6 @@ from rlcli.models.value import (
     response_head_outputs,
     response_values,
     two_hot,
-    validate_critic,
 )
 
 SMALL = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128)
@@ -426,7 +424,8 @@ def test_gradient_checkpointing_leaves_policy_and_critic_gradients_unchanged():
     """model.gradient_checkpointing recomputes activations in backward: the same gradients (1e-5 of each
     tensor's largest entry) for the policy's log-probs and the critic's values."""
     from rlcli.models import response_logprobs
-    from rlcli.models.tiny import TinyModelConfig, build_tiny_model, load_tiny_tokenizer
+    from rlcli.models.config import TinyModelConfig
+    from rlcli.models.tiny import build_tiny_model, load_tiny_tokenizer
     from rlcli.models.value import ValueHeadSpec, ValueModel, response_values
 
     torch.manual_seed(0)

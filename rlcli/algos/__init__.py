@@ -2,26 +2,19 @@
 
 Registries (one signature per kind, docs/design.md#registries): ADVANTAGES (advantages.py), POLICY_LOSSES
 (losses.py), KL_ESTIMATORS (functional.py, re-exported by kl.py); loss aggregations are the
-AGG_MODES names of `functional.aggregate`. The `algo` config schema is `AlgoConfig` (config.py).
+AGG_MODES names of `functional.aggregate`. Their names are declared in rlcli/names.py. The `algo` config
+schema is `AlgoConfig` (config.py). Attributes are imported on first use (rlcli.lazy): the schema needs no torch.
 """
 
-from rlcli.algos.advantages import ADVANTAGES, NEEDS_VALUES, AdvantageInputs, compute_advantages
-from rlcli.algos.config import AlgoConfig, validate
-from rlcli.algos.functional import AGG_MODES, KL_ESTIMATORS
-from rlcli.algos.kl import AdaptiveKLController, FixedKLController, build_kl_controller
-from rlcli.algos.losses import POLICY_LOSSES
+from rlcli.lazy import exports
 
 __all__ = [
-    "ADVANTAGES",
-    "AGG_MODES",
-    "KL_ESTIMATORS",
-    "NEEDS_VALUES",
-    "POLICY_LOSSES",
-    "AdaptiveKLController",
-    "AdvantageInputs",
-    "AlgoConfig",
-    "FixedKLController",
-    "build_kl_controller",
-    "compute_advantages",
-    "validate",
+    "ADVANTAGES", "AGG_MODES", "KL_ESTIMATORS", "NEEDS_VALUES", "POLICY_LOSSES", "AdaptiveKLController",
+    "AdvantageInputs", "AlgoConfig", "FixedKLController", "build_kl_controller", "compute_advantages", "validate",
 ]
+__getattr__ = exports(__name__, {
+    "ADVANTAGES": "advantages", "NEEDS_VALUES": "advantages", "AdvantageInputs": "advantages",
+    "compute_advantages": "advantages", "AlgoConfig": "config", "validate": "config", "AGG_MODES": "functional",
+    "KL_ESTIMATORS": "functional", "AdaptiveKLController": "kl", "FixedKLController": "kl",
+    "build_kl_controller": "kl", "POLICY_LOSSES": "losses",
+})

@@ -26,7 +26,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rlcli import names
 from rlcli.algos import functional as F
+from rlcli.names import GROUP_ESTIMATORS, NEEDS_VALUES  # noqa: F401 (re-exported: rlcli.algos)
 from rlcli.registry import Registry
 
 
@@ -54,13 +56,7 @@ class AdvantageInputs:
     """Sum over data-parallel ranks (whitening statistics over the whole batch); None in one process."""
 
 
-ADVANTAGES = Registry("advantage estimator")
-NEEDS_VALUES = frozenset({"gae", "vapo_grpo_hybrid"})
-"""Estimators that read `values`: the trainer builds a critic exactly when the estimator is here."""
-GROUP_ESTIMATORS = frozenset(
-    {"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "rank", "weighted_baseline", "hierarchical", "vapo_grpo_hybrid"}
-)
-"""Estimators that compare the responses of one prompt: they need rollout.n > 1 responses per prompt."""
+ADVANTAGES = Registry(names.ADVANTAGES)
 
 
 def compute_advantages(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:

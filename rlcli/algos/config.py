@@ -15,9 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from rlcli.algos.advantages import ADVANTAGES
-from rlcli.algos.functional import AGG_MODES, KL_ESTIMATORS, ROLLOUT_CORRECTION_LEVELS
-from rlcli.algos.losses import POLICY_LOSSES
+from rlcli.names import ADVANTAGES, AGG_MODES, KL_ESTIMATORS, POLICY_LOSSES, ROLLOUT_CORRECTION_LEVELS
 
 
 @dataclass

@@ -23,6 +23,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from rlcli import names
+from rlcli.names import AGG_MODES, ROLLOUT_CORRECTION_LEVELS
 from rlcli.registry import Registry
 
 __all__ = [
@@ -382,7 +384,7 @@ def soft_overlong_penalty(
 # KL, entropy
 # ---------------------------------------------------------------------------------------------------
 
-KL_ESTIMATORS = Registry("KL estimator")
+KL_ESTIMATORS = Registry(names.KL_ESTIMATORS)
 """Per-token estimators of KL(π || π_ref) from sampled-token log-probs (Schulman 2020,
 "Approximating KL divergence", http://joschu.net/blog/kl-approx.html). fn(logp, ref_logp) -> [N, T]."""
 
@@ -569,7 +571,6 @@ def cispo_policy_loss(
     return loss, metrics
 
 
-ROLLOUT_CORRECTION_LEVELS = ("token", "sequence")
 """Levels of `rollout_correction_weights`: one weight per token, or one per sequence."""
 
 
@@ -624,8 +625,6 @@ def rollout_correction_weights(
     return weights, metrics
 
 
-AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_sum_const")
-"""Loss aggregation modes (docs/algorithms.md, "Policy loss and aggregation"), see `aggregate`."""
 
 
 def aggregation_counts(mask: Tensor) -> tuple[Tensor, Tensor]:

@@ -17,10 +17,11 @@ from typing import Any
 
 from torch import Tensor
 
+from rlcli import names
 from rlcli.algos import functional as F
 from rlcli.registry import Registry
 
-POLICY_LOSSES = Registry("policy loss")
+POLICY_LOSSES = Registry(names.POLICY_LOSSES)
 AGG_MODES = F.AGG_MODES
 aggregate = F.aggregate
 aggregation_counts = F.aggregation_counts

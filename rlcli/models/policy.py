@@ -1,4 +1,4 @@
-"""Loading policies and tokenizers, and the one forward pass that turns a batch into log-probs."""
+"""Loading policies and tokenizers, and the one forward pass that turns a batch into log-probs (re-exported by rlcli.models)."""
 
 from __future__ import annotations
 

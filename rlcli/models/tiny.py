@@ -13,39 +13,15 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from rlcli.models.config import CHARS, SPECIAL_TOKENS, TinyModelConfig
+
 TOKENIZER_DIR = Path(__file__).parent / "tokenizer"
-SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
-# Printable ASCII plus newline: enough for math prompts, worked steps and `\boxed{}`.
-CHARS = tuple(chr(i) for i in range(32, 127)) + ("\n",)
 MODEL_MAX_LENGTH = 512
-
-
-@dataclass
-class TinyModelConfig:
-    """Shape of the embedded Llama (defaults give 4.2M parameters, docs/design.md#tiny-model)."""
-
-    hidden_size: int = 256
-    """Width of the residual stream."""
-    num_layers: int = 4
-    """Number of transformer blocks."""
-    num_heads: int = 4
-    """Attention heads per block (head dim = hidden_size / num_heads)."""
-    intermediate_size: int = 1024
-    """Width of the SwiGLU MLP."""
-    max_position_embeddings: int = 512
-    """Longest prompt + response the model is built for, in tokens (= characters)."""
-    rope_theta: float = 10000.0
-    """RoPE base frequency."""
-    tie_word_embeddings: bool = True
-    """Share the input embedding and the LM head (saves vocab*hidden parameters)."""
-    attn_implementation: str = "sdpa"
-    """'sdpa' or 'eager' (no clear speed difference measured on 2 loaded CPU threads)."""
 
 
 def build_tiny_tokenizer() -> PreTrainedTokenizerFast:

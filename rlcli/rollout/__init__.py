@@ -16,6 +16,7 @@ algo.rollout_correction needs it.
 The loop never knows which engine it has.
 """
 
+from rlcli import names
 from rlcli.registry import Registry
 from rlcli.rollout.hf import HFEngine
 from rlcli.rollout.sampling import Sampling
@@ -23,6 +24,6 @@ from rlcli.rollout.vllm import VLLMEngine
 
 __all__ = ["ROLLOUT_ENGINES", "Sampling"]
 
-ROLLOUT_ENGINES = Registry("rollout engine")
+ROLLOUT_ENGINES = Registry(names.ROLLOUT_ENGINES)
 ROLLOUT_ENGINES.register("hf")(HFEngine)
 ROLLOUT_ENGINES.register("vllm")(VLLMEngine)

@@ -1,0 +1,9 @@
+"""Models: loading policies and tokenizers and the log-prob pass (policy.py), the embedded tiny model
+(tiny.py), the value model (value.py), and their config schemas (config.py, torch-free). Attributes are
+imported on first use (rlcli.lazy), so the schemas load without torch."""
+
+from rlcli.lazy import exports
+
+__all__ = ["DTYPES", "as_objects", "joint_inputs", "load_policy", "load_tokenizer", "projects_plainly",
+           "resolve_model_path", "response_logprobs", "warm_start_data", "with_lora"]
+__getattr__ = exports(__name__, dict.fromkeys(__all__, "policy"))
