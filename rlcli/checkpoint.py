@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import shlex
 import shutil
@@ -189,25 +188,13 @@ def commit(run_dir: str, step: int, keep_last: int, rank: int, barrier: Any) -> 
     return final
 
 
-def rng_state() -> dict[str, Any]:
-    import numpy as np
-    import torch
+def write_run_files(directory: str, cfg: Any, step: int, world: int, wandb_id: str | None) -> None:
+    """The frozen config.yaml and meta.json of a checkpoint being staged in `directory` (rank 0)."""
+    from omegaconf import OmegaConf
 
-    return {
-        "python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,  # this rank's device
-    }
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    import numpy as np
-    import torch
-
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None:
-        torch.cuda.set_rng_state(state["cuda"])
+    OmegaConf.save(cfg, os.path.join(directory, "config.yaml"), resolve=True)
+    with open(os.path.join(directory, "meta.json"), "w") as f:
+        json.dump({"step": step, "world_size": world, "run_dir": cfg.run_dir, "wandb_id": wandb_id}, f, indent=2)
 
 
 def resume_command(run_dir: str) -> str:

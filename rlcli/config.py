@@ -312,14 +312,54 @@ def world_size(hw: Any) -> int:
     return hw.nproc * hw.nnodes
 
 
-def batch_units(cfg: Any) -> tuple[int, int]:
-    """(P, G) sampled per step: rollout.prompts_per_step x rollout.n with group sampling (every group
-    estimator, and VAPO §4.3); without it, VAPO's other use of the same budget (its vanilla-PPO
-    baseline: "8192 prompts, with each prompt sampled once"): P*G prompts x 1 response."""
-    r = cfg.rollout
-    if cfg.algo.group_sampling:
-        return r.prompts_per_step, r.n
-    return r.prompts_per_step * r.n, 1
+@dataclass(frozen=True)
+class BatchUnits:
+    """The batch units of a run (docs/design.md#units), derived from the config in this one place: the
+    trainer, the learner, the planner and the start-up summary read them here."""
+
+    P: int
+    """Prompts (groups) sampled per step over all ranks; without group sampling, P*G prompts of 1 response."""
+    G: int
+    """Responses per prompt (the group)."""
+    world: int
+    """Data-parallel ranks over all nodes."""
+    p_local: int
+    """Groups per rank per step."""
+    gen_p_local: int
+    """Prompts per rank per generation batch (dynamic sampling refills in such batches)."""
+    mini_batch_trajectories: int
+    """Trajectories per optimizer step, over all ranks."""
+    optimizer_steps: int
+    """Actor optimizer steps over the run: steps x mini_batches x ppo_epochs."""
+    pretrain_steps: int
+    """VAPO value-pretraining steps before the first actor update (0 = none)."""
+    pretrain_optimizer_steps: int
+    """Critic optimizer steps of value pretraining."""
+    on_policy: bool
+    """One mini-batch, one epoch and no KL in the reward: old_logp = logp.detach(), no old-log-prob pass."""
+
+    @property
+    def N(self) -> int:  # noqa: N802 (the papers' letter)
+        """Trajectories per step over all ranks."""
+        return self.P * self.G
+
+
+def units(cfg: Any) -> BatchUnits:
+    """The run's BatchUnits. (P, G) are as sampled: rollout.prompts_per_step x rollout.n with group
+    sampling (every group estimator, and VAPO §4.3); without it, VAPO's other use of the same budget (its
+    vanilla-PPO baseline: "8192 prompts, with each prompt sampled once"): P*G prompts x 1 response."""
+    r, a = cfg.rollout, cfg.algo
+    p, g = (r.prompts_per_step, r.n) if a.group_sampling else (r.prompts_per_step * r.n, 1)
+    world = world_size(cfg.hw)
+    per_epoch = a.mini_batches * a.ppo_epochs
+    pretrain = cfg.critic.pretrain_steps if a.value_pretrain else 0
+    return BatchUnits(
+        P=p, G=g, world=world, p_local=p // world,
+        gen_p_local=(r.gen_prompts_per_step or p) // world if a.dynamic_sampling else p // world,
+        mini_batch_trajectories=p * g // a.mini_batches, optimizer_steps=cfg.steps * per_epoch,
+        pretrain_steps=pretrain, pretrain_optimizer_steps=pretrain * per_epoch,
+        on_policy=a.mini_batches == 1 and a.ppo_epochs == 1 and not (a.kl_coef > 0 and a.kl_in_reward),
+    )
 
 
 def validate(cfg: DictConfig | Any) -> None:
@@ -334,8 +374,7 @@ def validate(cfg: DictConfig | Any) -> None:
     validate_data(cfg.data)
     validate_critic(cfg.critic)
     r, hw, a = cfg.rollout, cfg.hw, cfg.algo
-    p, _ = batch_units(cfg)
-    world = world_size(hw)
+    p, world = units(cfg).P, world_size(hw)
     ranks = f"hw.nproc x hw.nnodes = {world} ranks" if hw.nnodes > 1 else f"hw.nproc={hw.nproc}"
     if p % world:
         raise ValueError(

@@ -276,7 +276,7 @@ def device_memory(hw: Any) -> tuple[float | None, str]:
 
 def estimate(cfg: Any) -> Plan:
     """The per-device memory plan of a composed config (see the module docstring)."""
-    from rlcli.config import batch_units, world_size
+    from rlcli.config import units, world_size
     from rlcli.names import NEEDS_VALUES
 
     hw, m, r, a = cfg.hw, cfg.model, cfg.rollout, cfg.algo
@@ -336,7 +336,8 @@ def estimate(cfg: Any) -> Plan:
     rows["critic"] = critic
 
     # The update: micro-batches of at most hw.micro_batch rows of the per-rank mini-batch, capped in tokens.
-    p, g = batch_units(cfg)
+    u = units(cfg)
+    p, g = u.P, u.G
     tp, tp_note = prompt_tokens(cfg)
     seq = tp + r.max_new_tokens
     mini_rows = max(1, p // world // a.mini_batches * g)

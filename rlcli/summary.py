@@ -7,12 +7,11 @@ from typing import Any
 
 def startup_summary(t: Any) -> str:
     """The start-up summary of a Trainer `t`: what was loaded, the algorithm, and every batch unit."""
-    cfg, a, r, hw = t.cfg, t.cfg.algo, t.cfg.rollout, t.cfg.hw
+    cfg, a, r, hw, u, learner, s = t.cfg, t.cfg.algo, t.cfg.rollout, t.cfg.hw, t.units, t.learner, t.state
     # ZeRO-3 leaves empty placeholders in the module; ds_numel is the full count of a partitioned one.
-    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in t.actor.module.parameters())
-    n_trainable = sum(getattr(p, "ds_numel", p.numel()) for p in t.actor.module.parameters() if p.requires_grad)
-    p, g = t.P, t.G
-    mb_traj = p * g // a.mini_batches
+    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in learner.actor.module.parameters())
+    n_trainable = sum(getattr(p, "ds_numel", p.numel()) for p in learner.actor.module.parameters() if p.requires_grad)
+    p, g = u.P, u.G
     d = cfg.data
     digits = f"{d.min_digits}" + (f"-{d.max_digits}" if d.max_digits != d.min_digits else "")
     lines = [
@@ -21,39 +20,40 @@ def startup_summary(t: Any) -> str:
         f"  model          {cfg.model.name}: {t.model_path} ({t.model_source})",
         f"  parameters     {n_params / 1e6:.2f}M, dtype {cfg.model.dtype}, precision {hw.precision}"
         + (f"; LoRA r={cfg.model.lora.r}: {n_trainable / 1e6:.2f}M trainable" if cfg.model.lora.r else ""),
-        f"  hardware       {hw.name}: device {hw.device}, world size {t.world}, ZeRO-{hw.zero_stage}",
+        f"  hardware       {hw.name}: device {hw.device}, world size {u.world}, ZeRO-{hw.zero_stage}",
         f"  algorithm      {a.name}: advantage={a.adv_estimator} loss={a.policy_loss} "
         f"clip=({a.clip_low}, {a.clip_high}) agg={a.loss_agg} kl_coef={a.kl_coef}"
         f"{' (in reward)' if a.kl_in_reward else ''} reference model="
-        + ("no" if t.ref is None else "the base model, adapters disabled" if cfg.model.lora.r else "yes"),
+        + ("no" if learner.ref is None else "the base model, adapters disabled" if cfg.model.lora.r else "yes"),
         f"  shaping        overlong_filter={a.overlong_filter} soft_overlong={a.soft_overlong} "
         f"(buffer {r.overlong_buffer_len} of {r.max_new_tokens} tokens) "
         f"dynamic_sampling={a.dynamic_sampling}",
         f"  reward         {dict(cfg.reward.weights)}",
         "  critic         "
         + (f"{cfg.critic.head} head from {cfg.critic.path or 'the policy'}, lr {cfg.critic.lr}, "
-           f"value pretraining {t.pretrain_steps} steps" if t.critic is not None else "none"),
+           f"value pretraining {u.pretrain_steps} steps" if learner.critic is not None else "none"),
         "  batch units per step",
-        f"    prompts P            {p} ({t.p_local} per rank)"
+        f"    prompts P            {p} ({u.p_local} per rank)"
         + ("" if a.group_sampling else f" (no group sampling: {r.prompts_per_step} x {r.n} prompts, 1 response each)"),
         f"    responses/prompt G   {g}",
-        f"    trajectories N=P*G   {p * g}",
+        f"    trajectories N=P*G   {u.N}",
         f"    mini-batches         {a.mini_batches} x {a.ppo_epochs} epoch(s) = "
-        f"{a.mini_batches * a.ppo_epochs} optimizer steps/step, {mb_traj} trajectories each",
+        f"{a.mini_batches * a.ppo_epochs} optimizer steps/step, {u.mini_batch_trajectories} trajectories each",
         f"    micro-batch          {hw.micro_batch} trajectories"
         + (f", <= {hw.max_tokens_per_micro_batch} tokens" if hw.max_tokens_per_micro_batch else ""),
-        f"    old-logprob pass     {'skipped (on-policy)' if t.on_policy else 'yes'}",
-        f"  schedule       {cfg.steps} steps = {t.optimizer_steps} optimizer steps, lr {cfg.optim.lr} "
+        f"    old-logprob pass     {'skipped (on-policy)' if u.on_policy else 'yes'}",
+        f"    log-prob pass        {learner.chunk_note}",
+        f"  schedule       {cfg.steps} steps = {u.optimizer_steps} optimizer steps, lr {cfg.optim.lr} "
         f"({cfg.optim.scheduler}, warmup {cfg.optim.warmup_steps})",
         f"  lengths        max_new_tokens {r.max_new_tokens}, temperature {r.temperature}, "
         f"top_p {r.top_p}, top_k {r.top_k}",
         f"  data           {cfg.data.name}"
         + (f" ({digits}-digit operands)" if d.source == "arith" else "")
-        + f": {len(t.train_prompts.examples)} train, "
+        + f": {len(s.prompts.examples)} train, "
         f"{len(t.eval_examples)} eval prompts; {t.train_report.summary()}",
         "  checkpoints    "
         + (f"every {cfg.checkpoint.every} steps" if cfg.checkpoint.every else "only on SIGTERM/SIGINT")
         + f" to {cfg.run_dir}/checkpoints, newest {cfg.checkpoint.keep_last} kept"
-        + (f"; resuming from {t.resumed_from} (step {t.start_step})" if t.resumed_from else ""),
+        + (f"; resuming from {t.resumed_from} (step {s.step})" if t.resumed_from else ""),
     ]
     return "\n".join(lines)

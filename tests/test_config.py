@@ -140,12 +140,12 @@ def test_dapo_at_paper_scale_is_the_papers_setup():
     """DAPO arXiv:2503.14476 §4.1: 512 prompts x 16 responses, mini-batch 512 responses = 16 gradient
     updates per rollout step, lr 1e-6 with a linear warm-up over 20 rollout steps, clip 0.2 / 0.28,
     16,384 + 4,096 = 20,480 new tokens; verl's script generates 3 x 512 prompts per refill batch."""
-    from rlcli.config import batch_units
+    from rlcli.config import units
 
     cfg = make(["algo=dapo", "model=qwen2.5-32b", "hw=8xa100"])
     validate(cfg)
     a, r, o = cfg.algo, cfg.rollout, cfg.optim
-    assert batch_units(cfg) == (512, 16) and (r.prompts_per_step, r.n) == (512, 16)
+    assert (units(cfg).P, units(cfg).G) == (512, 16) and (r.prompts_per_step, r.n) == (512, 16)
     assert a.mini_batches == 16 and a.ppo_epochs == 1
     assert r.prompts_per_step * r.n // a.mini_batches == 512  # responses per optimizer step
     assert o.lr == 1e-6 and o.warmup_steps == 20 * a.mini_batches and o.scheduler == "constant_with_warmup"
@@ -158,17 +158,18 @@ def test_dapo_at_paper_scale_is_the_papers_setup():
 def test_vapo_at_paper_scale_is_the_papers_batch():
     """VAPO arXiv:2504.05118 §5.1: "Used 512 prompts per sampling, with each prompt sampled 16 times, and
     set the mini-batch size to 512"; actor lr 1e-6, critic 2e-6, value warmup 50 steps, α = 0.05, μ = 0.1."""
-    from rlcli.config import batch_units
+    from rlcli.config import units
 
     cfg = make(["algo=vapo", "model=qwen2.5-32b", "hw=8xa100"])
     validate(cfg)
     a = cfg.algo
-    assert a.group_sampling and batch_units(cfg) == (512, 16)
+    assert a.group_sampling and (units(cfg).P, units(cfg).G) == (512, 16)
     assert 512 * 16 // a.mini_batches == 512
     assert (cfg.optim.lr, cfg.critic.lr, cfg.critic.pretrain_steps) == (1e-6, 2e-6, 50) and a.value_pretrain
     assert (a.length_adaptive_alpha, a.nll_coef, a.lam_critic, a.clip_low, a.clip_high) == (0.05, 0.1, 1.0, 0.2, 0.28)
     # Without group sampling the same budget is spent as the paper's PPO baseline: each prompt sampled once.
-    assert batch_units(make(["algo=vapo", "model=qwen2.5-32b", "algo.group_sampling=false"])) == (8192, 1)
+    u = units(make(["algo=vapo", "model=qwen2.5-32b", "algo.group_sampling=false"]))
+    assert (u.P, u.G, u.N) == (8192, 1, 8192)
 
 
 @pytest.mark.parametrize("overrides,fix", [

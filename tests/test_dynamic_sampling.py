@@ -12,6 +12,7 @@ from conftest import CONF
 from hydra import compose, initialize_config_dir
 
 from rlcli.config import register_configs
+from rlcli.learner import rl_phase
 from rlcli.metrics import Timer
 from rlcli.models import response_logprobs
 from rlcli.trainer import DynamicSamplingExhausted, Trainer
@@ -37,10 +38,10 @@ def trainer(tmp_path, monkeypatch, reward, *extra):
 
 def finish_step(t, batch, step=1):
     """Stages 4-6 of a collected batch, as train_step runs them. -> update metrics"""
-    batch = batch.replace(**t.score(batch, step))
-    rewards, _ = t.token_rewards(batch)
-    advantages, returns = t.advantages(batch, rewards, step)
-    return t.update(batch.replace(advantages=advantages, returns=returns))
+    phase = rl_phase(t.cfg)
+    batch = batch.replace(**t.learner.score(batch, step, phase))
+    batch, _ = t.advantage(batch, step, phase)
+    return t.learner.update(batch, phase)
 
 
 def group_has_variance(batch, g):
@@ -59,11 +60,11 @@ def test_keeps_informative_groups_refills_and_carries_the_surplus(tmp_path, monk
         assert metrics["dynamic_sampling/carried"] == 0
         assert 0 < metrics["dynamic_sampling/kept_fraction"] < 1
         # The surplus group is carried, with the sampling policy's log-probs recorded now.
-        carry = t.sampler.carry
+        carry = t.state.sampler.carry
         assert carry is not None and len(carry.groups) == 1 and carry.stale.all()
         assert group_has_variance(carry, carry.groups.item())
         with torch.no_grad():
-            logp, _ = response_logprobs(t.actor.module, carry.prompt_ids, carry.prompt_mask, carry.response_ids,
+            logp, _ = response_logprobs(t.learner.actor.module, carry.prompt_ids, carry.prompt_mask, carry.response_ids,
                                         carry.response_mask, t.cfg.rollout.temperature)
         torch.testing.assert_close(carry.old_logp, logp * carry.response_mask)
         carried_group = carry.groups.item()
@@ -76,7 +77,7 @@ def test_keeps_informative_groups_refills_and_carries_the_surplus(tmp_path, monk
         torch.testing.assert_close(batch2.old_logp[rows], carry.old_logp)  # stale: one update old
         assert all(group_has_variance(batch2, g) for g in batch2.groups.tolist())
         # The LR schedule counts optimizer steps, not generation batches.
-        assert t.actor.scheduler.last_epoch == 1
+        assert t.learner.actor.scheduler.last_epoch == 1
     finally:
         t.rewards.close()
 
@@ -91,7 +92,7 @@ def test_carried_groups_keep_their_old_logp_in_the_update(tmp_path, monkeypatch)
         b2, _ = t.collect(Timer())
         stale = b2.select(b2.stale.nonzero().squeeze(-1))
         with torch.no_grad():
-            now, _ = response_logprobs(t.actor.module, stale.prompt_ids, stale.prompt_mask, stale.response_ids,
+            now, _ = response_logprobs(t.learner.actor.module, stale.prompt_ids, stale.prompt_mask, stale.response_ids,
                                        stale.response_mask, t.cfg.rollout.temperature)
         assert not torch.allclose(now * stale.response_mask, stale.old_logp)
         m2 = finish_step(t, b2, 2)

@@ -32,7 +32,7 @@ def test_lora_trains_the_adapters_only_and_the_reference_is_the_initial_policy(t
     from transformers import AutoModelForCausalLM
 
     t = make(tmp_path, monkeypatch, "steps=2")
-    model = t.actor.module
+    model = t.learner.actor.module
     base = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" not in n}
     lora = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
     assert lora and all(p.requires_grad == ("lora_" in n) for n, p in model.named_parameters())
@@ -43,9 +43,9 @@ def test_lora_trains_the_adapters_only_and_the_reference_is_the_initial_policy(t
     assert any(not torch.equal(p.detach(), lora[n]) for n, p in model.named_parameters() if n in lora)
     # The reference log-probs (adapters disabled) equal the initial model's, loaded afresh.
     initial = AutoModelForCausalLM.from_pretrained(t.model_path).eval()
-    ref = t.reference_logprobs(batch)
-    assert torch.allclose(ref, t.logprobs(initial, batch), atol=1e-6)
-    assert not torch.allclose(ref, t.logprobs(model, batch), atol=1e-3)  # the adapters do change the policy
+    ref = t.learner.reference_logprobs(batch)
+    assert torch.allclose(ref, t.learner.logprobs(batch, initial), atol=1e-6)
+    assert not torch.allclose(ref, t.learner.logprobs(batch, model), atol=1e-3)  # the adapters do change the policy
     # The saved policy is the merged model: a plain transformers model equal to peft's own
     # merge_and_unload (on a copy), moved away from the base in the adapted layers only.
     import copy

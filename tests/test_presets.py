@@ -75,11 +75,11 @@ def test_preset_trains_two_steps(preset, tmp_path, monkeypatch):
     validate(cfg)
     t = Trainer(cfg)
     try:
-        assert (t.ref is not None) == (cfg.algo.kl_coef > 0)  # no reference model without KL
+        assert (t.learner.ref is not None) == (cfg.algo.kl_coef > 0)  # no reference model without KL
         got: dict[str, list[float]] = {}
-        if t.pretrain_steps:  # VAPO: value pretraining first, as fit() runs it
+        if t.units.pretrain_steps:  # VAPO: value pretraining first, as fit() runs it
             got["pretrain/vf_loss"] = [t.pretrain_critic()["vf_loss"]]
-        before = {n: p.detach().clone() for n, p in t.actor.module.named_parameters()}
+        before = {n: p.detach().clone() for n, p in t.learner.actor.module.named_parameters()}
         for step in (1, 2):
             m = t.train_step(step)
             for k in GOLDEN_KEYS:
@@ -89,7 +89,7 @@ def test_preset_trains_two_steps(preset, tmp_path, monkeypatch):
                 assert math.isfinite(v), (k, v)
             assert m["actor/grad_norm"] > 0 and m["actor/skipped_steps"] == 0
             assert not undocumented(m, reward_parts=("sevens",))
-        moved = [n for n, p in t.actor.module.named_parameters() if not torch.equal(before[n], p)]
+        moved = [n for n, p in t.learner.actor.module.named_parameters() if not torch.equal(before[n], p)]
         assert len(moved) == len(before)
         if cfg.algo.kl_coef > 0:
             assert ("actor/reward_kl" in m) == cfg.algo.kl_in_reward

@@ -86,11 +86,11 @@ def test_chunked_logprobs_and_entropy_equal_the_whole_sequence_pass_with_their_g
     backward) gives the same log-probs, entropies (1e-6) and parameter gradients (1e-5 of each tensor's
     largest entry) as the whole-sequence pass, up to float32 summation order, with left-padded prompts
     and right-padded responses."""
-    from rlcli.models import projects_plainly
+    from rlcli.models import logits_chunk_for
 
     torch.manual_seed(0)
     model = build_tiny_model(TinyModelConfig(), load_tiny_tokenizer(), seed=0)
-    assert projects_plainly(model)
+    assert logits_chunk_for(model, 5)[0] == 5  # the start-up check passes: the chunked pass is exact here
     n, tp, t = 3, 7, 23
     prompt_ids = torch.randint(5, 60, (n, tp))
     prompt_mask = torch.ones(n, tp, dtype=torch.long)
@@ -113,3 +113,26 @@ def test_chunked_logprobs_and_entropy_equal_the_whole_sequence_pass_with_their_g
     with torch.no_grad():  # the scoring pass (no autograd) takes the same path without checkpointing
         assert torch.allclose(response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask, 0.7,
                                                 chunk=5)[0], lp0, atol=1e-6)
+
+
+def test_the_chunk_check_refuses_a_model_that_scales_logits_after_the_head():
+    """Granite divides its logits by `logits_scaling` after the output projection: the chunked pass (output
+    embedding of the hidden states) would be off by far more than rounding (0.48 nats at scaling 8, and a
+    gradient 7x off, issue 21). The start-up check falls back to the whole-sequence pass, which equals the
+    model's own logits; a plain Llama keeps its chunk."""
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    from rlcli.models import logits_chunk_for
+
+    torch.manual_seed(0)
+    granite = GraniteForCausalLM(GraniteConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                               num_attention_heads=2, num_key_value_heads=2, logits_scaling=8.0))
+    chunk, note = logits_chunk_for(granite, 256)
+    assert chunk == 0 and "differ" in note, note
+    ids = torch.randint(5, 100, (2, 12))
+    ones = torch.ones_like(ids)
+    logp, _ = response_logprobs(granite, ids[:, :4], ones[:, :4], ids[:, 4:], ones[:, 4:], 1.0, chunk=chunk)
+    own = torch.log_softmax(granite(input_ids=ids).logits[:, 3:-1].float(), -1).gather(-1, ids[:, 4:, None])[..., 0]
+    torch.testing.assert_close(logp, own, rtol=0, atol=1e-5)
+    chunked, _ = response_logprobs(granite, ids[:, :4], ones[:, :4], ids[:, 4:], ones[:, 4:], 1.0, chunk=3)
+    assert (chunked - own).abs().max() > 0.1  # what the check protects against

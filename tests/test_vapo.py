@@ -86,17 +86,17 @@ def test_value_pretraining_freezes_the_policy_trains_the_critic_and_ev_rises(tmp
              "rollout.prompts_per_step=8", "rollout.n=4", "critic.pretrain_steps=25", "critic.lr=1e-3",
              "+reward.weights.d=1.0", "+reward.custom.d=reward_fixtures.answer_digits")
     try:
-        policy = {n: p.detach().clone() for n, p in t.actor.module.named_parameters()}
-        critic = {n: p.detach().clone() for n, p in t.critic.module.named_parameters()}
+        policy = {n: p.detach().clone() for n, p in t.learner.actor.module.named_parameters()}
+        critic = {n: p.detach().clone() for n, p in t.learner.critic.module.named_parameters()}
         evs = []
         log = t.logger.log
         t.logger.log = lambda m, step: (evs.append(m["pretrain/critic/explained_var"]), log(m, step))
         out = t.pretrain_critic()
         assert out["steps"] == 25 and len(evs) == 25
-        assert all(torch.equal(policy[n], p) for n, p in t.actor.module.named_parameters())  # bit-identical
-        assert all(not torch.equal(critic[n], p) for n, p in t.critic.module.named_parameters())
+        assert all(torch.equal(policy[n], p) for n, p in t.learner.actor.module.named_parameters())  # bit-identical
+        assert all(not torch.equal(critic[n], p) for n, p in t.learner.critic.module.named_parameters())
         assert sum(evs[-3:]) / 3 > sum(evs[:3]) / 3 + 0.05, evs
-        assert t.sampler.carry is None
+        assert t.state.sampler.carry is None
     finally:
         t.rewards.close()
 
@@ -119,11 +119,11 @@ def test_ppo_and_vapo_train_two_steps(algo, tmp_path, monkeypatch):
              "critic.pretrain_steps=2", "optim.lr=1e-3", "+reward.weights.sevens=1.0",
              "+reward.custom.sevens=reward_fixtures.count_sevens")
     try:
-        assert t.critic is not None and (t.ref is not None) == (t.cfg.algo.kl_coef > 0)
+        assert t.learner.critic is not None and (t.learner.ref is not None) == (t.cfg.algo.kl_coef > 0)
         if algo == "vapo":
             assert (t.P, t.G) == (4, 4)  # group sampling: P x G as configured (without it: 16 x 1)
             t.pretrain_critic()
-        before = {n: p.detach().clone() for n, p in t.actor.module.named_parameters()}
+        before = {n: p.detach().clone() for n, p in t.learner.actor.module.named_parameters()}
         for step in (1, 2):
             m = t.train_step(step)
             assert all(math.isfinite(v) for v in m.values()), m
@@ -132,7 +132,7 @@ def test_ppo_and_vapo_train_two_steps(algo, tmp_path, monkeypatch):
                 assert k in m, k
             assert ("actor/nll_loss" in m) == (algo == "vapo")
             assert not undocumented(m, reward_parts=("sevens",))
-        assert all(not torch.equal(before[n], p) for n, p in t.actor.module.named_parameters())
+        assert all(not torch.equal(before[n], p) for n, p in t.learner.actor.module.named_parameters())
     finally:
         t.rewards.close()
 
@@ -146,15 +146,15 @@ def test_value_pretraining_runs_the_score_stage_so_kl_in_the_reward_works(tmp_pa
              "rollout.prompts_per_step=4", "rollout.n=2", "critic.pretrain_steps=2",
              "+reward.weights.sevens=1.0", "+reward.custom.sevens=reward_fixtures.count_sevens")
     try:
-        assert t.ref is not None and t.cfg.algo.kl_in_reward and t.pretrain_steps == 2
-        policy = {n: p.detach().clone() for n, p in t.actor.module.named_parameters()}
-        beta = t.kl_ctl.value
+        assert t.learner.ref is not None and t.cfg.algo.kl_in_reward and t.units.pretrain_steps == 2
+        policy = {n: p.detach().clone() for n, p in t.learner.actor.module.named_parameters()}
+        beta = t.state.kl_ctl.value
         out = t.pretrain_critic()
         assert out["steps"] == 2 and math.isfinite(out["vf_loss"])
-        assert all(torch.equal(policy[n], p) for n, p in t.actor.module.named_parameters())
-        assert t.kl_ctl.value == beta
+        assert all(torch.equal(policy[n], p) for n, p in t.learner.actor.module.named_parameters())
+        assert t.state.kl_ctl.value == beta
         m = t.train_step(1)
-        assert t.kl_ctl.value != beta and m["actor/kl_coef"] == t.kl_ctl.value  # the step itself adapts β
+        assert t.state.kl_ctl.value != beta and m["actor/kl_coef"] == t.state.kl_ctl.value  # the step itself adapts β
     finally:
         t.rewards.close()
 
@@ -178,9 +178,9 @@ def test_critic_schedule_spans_pretraining_and_every_epoch(tmp_path, monkeypatch
              "optim.scheduler=cosine", "rollout.prompts_per_step=2", "rollout.n=2",
              "+reward.weights.sevens=1.0", "+reward.custom.sevens=reward_fixtures.count_sevens")
     try:
-        lam = t.critic.scheduler.lr_lambdas[0]
+        lam = t.learner.critic.scheduler.lr_lambdas[0]
         assert lam(9) > 0 and lam(10) == pytest.approx(0.0, abs=1e-12)
-        assert t.actor.scheduler.lr_lambdas[0](5) > 0 and t.actor.scheduler.lr_lambdas[0](6) == pytest.approx(0.0)
+        assert t.learner.actor.scheduler.lr_lambdas[0](5) > 0 and t.learner.actor.scheduler.lr_lambdas[0](6) == pytest.approx(0.0)
     finally:
         t.rewards.close()
 
@@ -193,10 +193,10 @@ def test_value_pretraining_skips_policy_log_probs_it_does_not_use(tmp_path, monk
              "rollout.n=2", "critic.pretrain_steps=2", "+reward.weights.sevens=1.0",
              "+reward.custom.sevens=reward_fixtures.count_sevens")
     try:
-        assert not t.on_policy and t.ref is None
+        assert not t.units.on_policy and t.learner.ref is None
         calls = []
-        logprobs = t.logprobs
-        monkeypatch.setattr(t, "logprobs", lambda *a: (calls.append(1), logprobs(*a))[1])
+        logprobs = t.learner.logprobs
+        monkeypatch.setattr(t.learner, "logprobs", lambda *a: (calls.append(1), logprobs(*a))[1])
         assert t.pretrain_critic()["steps"] == 2 and calls == []
         t.train_step(1)
         assert calls, "the actor's update does need them"

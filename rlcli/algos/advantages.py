@@ -59,6 +59,15 @@ class AdvantageInputs:
 ADVANTAGES = Registry(names.ADVANTAGES)
 
 
+def outcome_token_rewards(scores: Tensor, lengths: Tensor, response_mask: Tensor) -> Tensor:
+    """The outcome reward as a token tensor: each trajectory's score [N] on its last response token
+    (lengths [N]), 0 elsewhere. -> [N, T] shaped like response_mask"""
+    n, t = response_mask.shape
+    rewards = torch.zeros(n, t)  # [N, T]
+    rewards[torch.arange(n), (lengths - 1).clamp(min=0)] = scores
+    return rewards
+
+
 def compute_advantages(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
     """Run `ADVANTAGES[cfg.adv_estimator]` without gradients, then the optional sequence reweight.
 

@@ -18,6 +18,21 @@ def all_reduce(x: Tensor, op: str = "sum") -> Tensor:
     return x
 
 
+def barrier() -> None:
+    """Wait for every rank (under hw.collective_timeout_s, like every collective)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def gather_objects(obj: object) -> list[object]:
+    """Every rank's `obj` (picklable), in rank order, on every rank."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [obj]
+    out: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def agree_min(k: int) -> int:
     """The smallest `k` over all ranks (ranks agree on a count before running collectives on it)."""
     return int(all_reduce(torch.tensor([k], dtype=torch.long), "min").item())

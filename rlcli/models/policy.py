@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -117,16 +119,17 @@ def response_logprobs(
     left-padded prompt sees the same positions as it did during generation. The entropy is a
     metric unless `entropy_grad` (an entropy bonus): then it stays in the autograd graph.
 
-    With `chunk` > 0 (and a model whose logits are its output projection of the last hidden state:
-    no soft-capping or scaling), the vocabulary projection runs over `chunk` response positions at a
-    time and only for response positions, and under autograd each chunk's logits are recomputed in
-    backward instead of kept: the fp32 logits alive at once are [n, chunk, V], never [n, Tp+T, V].
+    With `chunk` > 0 the vocabulary projection runs over `chunk` response positions at a time and only
+    for response positions, and under autograd each chunk's logits are recomputed in backward instead of
+    kept: the fp32 logits alive at once are [n, chunk, V], never [n, Tp+T, V]. That is exact only for a
+    model whose logits are its output projection of the last hidden state: pass the chunk that
+    `logits_chunk_for` returned, which is 0 for other models.
     """
     device = next(model.parameters()).device
     tp = prompt_ids.shape[1]
     inputs = joint_inputs(prompt_ids, prompt_mask, response_ids, response_mask, device)
     targets = response_ids.to(device)  # [n, T]
-    if not chunk or not projects_plainly(model):
+    if not chunk:
         logits = model(**inputs, use_cache=False).logits[:, tp - 1 : -1]  # [n, T, V] predicts response tokens
         return _token_logprobs(logits, targets, temperature, with_entropy, entropy_grad)
     hidden = model.get_decoder()(**inputs, use_cache=False).last_hidden_state[:, tp - 1 : -1]  # [n, T, H]
@@ -157,14 +160,44 @@ def _token_logprobs(
     return logp, entropy
 
 
-def projects_plainly(model: torch.nn.Module) -> bool:
-    """Whether `model`'s logits are exactly its output embedding applied to its decoder's last hidden
-    state (Llama, Qwen2, Mistral ...), so they can be computed in chunks; models that soft-cap or scale
-    logits (Gemma 2, Cohere) take the whole-sequence path."""
-    cfg = getattr(model, "config", None)
-    if cfg is None or getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None):
-        return False
+@contextmanager
+def eval_mode(*modules: torch.nn.Module) -> Iterator[None]:
+    """`modules` in eval mode (no dropout) for the block, then back in the mode each was in."""
+    modes = [m.training for m in modules]
+    for m in modules:
+        m.eval()
     try:
-        return model.get_decoder() is not None and model.get_output_embeddings() is not None
+        yield
+    finally:
+        for m, mode in zip(modules, modes):
+            m.train(mode)
+
+
+def logits_chunk_for(model: torch.nn.Module, chunk: int) -> tuple[int, str]:
+    """(`chunk` if the chunked log-prob pass reproduces `model`'s own logits path, else 0; a note saying
+    which). Checked once, at start-up, on a short random sequence in eval mode: models that change their
+    logits after the output projection (soft-capping, Granite's logits_scaling, Falcon-H1's
+    lm_head_multiplier, MiniCPM3's scaling ...) fail it and take the whole-sequence pass. Under ZeRO-3 every
+    rank runs it at the same point (each forward is a collective)."""
+    if not chunk:
+        return 0, "whole sequence (hw.logits_chunk=0)"
+    try:
+        structural = model.get_decoder() is not None and model.get_output_embeddings() is not None
     except (AttributeError, NotImplementedError):
-        return False
+        structural = False
+    if not structural:
+        return 0, "whole sequence: the model exposes no decoder/output embedding to chunk"
+    vocab = model.get_output_embeddings().weight.shape[0] if hasattr(model.get_output_embeddings(), "weight") else 2
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(min(vocab, 1000), (2, 16), generator=g)  # [2, 16]: 6 prompt + 10 response tokens
+    ones = torch.ones_like(ids)
+    with torch.no_grad(), eval_mode(model):
+        args = (model, ids[:, :6], ones[:, :6], ids[:, 6:], ones[:, 6:], 1.0)
+        whole, _ = response_logprobs(*args, chunk=0)  # [2, 10]
+        parts, _ = response_logprobs(*args, chunk=3)  # [2, 10] in four chunks
+    tol = 1e-4 if next(model.parameters()).dtype == torch.float32 else 5e-2
+    err = float((whole - parts).abs().max())
+    if err > tol:
+        return 0, (f"whole sequence: chunked log-probs differ from the model's own logits by {err:.3g} nats "
+                   "(it changes its logits after the output projection)")
+    return chunk, f"{chunk} positions per chunk (checked against the model's own logits: max diff {err:.1e})"

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from rlcli.batch import RolloutBatch
+from rlcli.engine.collectives import agree_min, all_reduce, global_stats
 
 
 class DynamicSamplingExhausted(RuntimeError):
@@ -46,14 +47,14 @@ def informative_groups(values: Tensor, group_index: Tensor) -> Tensor:
 class GroupSampler:
     """Fills a step with `need` groups per rank, refilling under dynamic sampling and carrying the surplus.
 
-    `agree(k)` returns the minimum of `k` over all ranks (identity in one process). Every rank runs the
+    `agree(k)` returns the minimum of `k` over all ranks (default: a collective; identity in one process). Every rank runs the
     same number of generation batches and keeps the same number of groups, so all ranks then run the
     same optimizer steps and collectives (with `train_on_partial` too).
     """
 
     def __init__(
         self, need: int, dynamic: bool, filter_metric: str, max_gen_batches: int, train_on_partial: bool,
-        agree: Callable[[int], int] = lambda k: k, lockstep: bool = False,
+        agree: Callable[[int], int] = agree_min, lockstep: bool = False,
     ):
         self.need, self.dynamic, self.filter_metric = need, dynamic, filter_metric
         self.max_gen_batches, self.train_on_partial, self.agree = max_gen_batches, train_on_partial, agree
@@ -119,3 +120,30 @@ class GroupSampler:
         fresh = (~b.stale).nonzero().squeeze(-1)  # [n_fresh]
         old[fresh] = record_old_logp(b.select(fresh))
         return b.replace(old_logp=old, stale=torch.ones(len(b), dtype=torch.bool))
+
+
+def sampling_metrics(batch: RolloutBatch, pool: list[RolloutBatch], per_trajectory: dict[str, list[Tensor]],
+                     counts: dict[str, float]) -> dict[str, float]:
+    """Reward, accuracy, length and dynamic-sampling metrics of a step over all ranks: means over the
+    trained batch, `pool_mean`s over every trajectory generated, counts summed."""
+    stats = global_stats({
+        "reward": batch.scores, "acc": batch.acc, "response_length": batch.lengths.float(),
+        "response_length/clip_ratio": batch.truncated.float(),
+        "reward/pool_mean": torch.cat([p.scores for p in pool] or [torch.zeros(0)]),
+        "acc/pool_mean": torch.cat([p.acc for p in pool] or [torch.zeros(0)]),
+        **batch.extras, **{k: torch.cat(v) for k, v in per_trajectory.items()},
+    })
+    keys = sorted(counts)
+    total = dict(zip(keys, all_reduce(torch.tensor([counts[k] for k in keys], dtype=torch.float64)).tolist()))
+    metrics = {k: v["mean"] for k, v in stats.items() if k not in ("reward", "acc", "response_length") and v["n"]}
+    metrics.update({k: total[k] for k in keys if k.startswith("reward/")})
+    return metrics | {
+        "reward/mean": stats["reward"]["mean"], "reward/std": stats["reward"]["std"],
+        "acc/mean": stats["acc"]["mean"],
+        "response_length/mean": stats["response_length"]["mean"],
+        "response_length/max": stats["response_length"]["max"],
+        "dynamic_sampling/gen_batches": counts["dynamic_sampling/gen_batches"],
+        "dynamic_sampling/kept_fraction": total["dynamic_sampling/kept_groups"]
+        / max(total["dynamic_sampling/generated_groups"], 1.0),
+        "dynamic_sampling/carried": total["dynamic_sampling/carried"],
+    }

@@ -1,0 +1,63 @@
+"""What the loop carries from one step to the next, in one object saved and restored whole (torchtune's
+`TrainingProgress` habit): a checkpoint cannot forget a field, and the start-up summary reads it."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from rlcli.data import PromptStream
+from rlcli.rollout.sampler import GroupSampler
+
+
+@dataclass
+class LoopState:
+    prompts: PromptStream
+    """The per-rank prompt stream: its position in the seeded, epoch-shuffled order."""
+    sampler: GroupSampler
+    """Whole-group sampling; its `carry` holds DAPO's surplus groups with their recorded old log-probs."""
+    kl_ctl: Any
+    """The KL coefficient β and its controller (fixed, or adaptive: Ziegler et al. 2019)."""
+    next_group: int
+    """Group ids handed out so far on this rank (unique across ranks and steps)."""
+    step: int = 0
+    """Training steps done."""
+    train_seconds: float = 0.0
+    """Seconds spent in value pretraining and training steps (not evaluation)."""
+    result: dict[str, Any] = field(default_factory=dict)
+    """What the run reports at the end (held-out accuracy before training, value pretraining, ...)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step, "next_group": self.next_group, "train_seconds": self.train_seconds,
+            "result": self.result, "prompts": self.prompts.state_dict(), "carry": self.sampler.carry,
+            "kl_coef": self.kl_ctl.value, "rng": rng_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore everything; the RNGs last (building the trainer drew from them too)."""
+        self.step, self.next_group = state["step"], state["next_group"]
+        self.train_seconds, self.result = state["train_seconds"], state["result"]
+        self.prompts.load_state_dict(state["prompts"])
+        self.sampler.carry = state["carry"]
+        self.kl_ctl.value = state["kl_coef"]
+        set_rng_state(state["rng"])
+
+
+def rng_state() -> dict[str, Any]:
+    return {
+        "python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,  # this rank's device
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None:
+        torch.cuda.set_rng_state(state["cuda"])
