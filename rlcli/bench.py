@@ -88,8 +88,8 @@ def train_steps(overrides: list[str]) -> dict[str, float]:
     for key in ("timing_s/rollout", "timing_s/reward", "timing_s/score", "timing_s/update", "timing_s/sync",
                 "timing_s/step", "perf/tokens_per_s", "response_length/mean"):
         out[key] = statistics.median(r.get(key, 0.0) for r in rows)
-    out["params_m"] = sum(p.numel() for p in trainer.actor.module.parameters()) / 1e6
-    out["trajectories"] = trainer.P * trainer.G
+    out["params_m"] = sum(p.numel() for p in trainer.learner.actor.module.parameters()) / 1e6
+    out["trajectories"] = trainer.units.N
     out["peak_mem_gb"] = peak_mem_gb()
     return out
 

@@ -8,6 +8,7 @@ from conftest import CONF
 from hydra import compose, initialize_config_dir
 
 from rlcli.config import register_configs, validate
+from rlcli.models import response_logprobs
 from rlcli.trainer import Trainer
 
 pytestmark = pytest.mark.slow
@@ -70,7 +71,7 @@ def test_a_lora_checkpoint_holds_the_adapters_and_resumes_bit_identically(tmp_pa
     straight.fit()
     step1 = os.path.join(straight.cfg.run_dir, "checkpoints", "step_1")
     size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(os.path.join(step1, "actor")) for f in fs)
-    full = sum(p.numel() * 4 for n, p in straight.actor.module.named_parameters())
+    full = sum(p.numel() * 4 for n, p in straight.learner.actor.module.named_parameters())
     assert size < 0.5 * full
     resumed = make(tmp_path / "b", monkeypatch, "steps=2", "save=false", f"resume={step1}")
     resumed.fit()
@@ -80,3 +81,26 @@ def test_a_lora_checkpoint_holds_the_adapters_and_resumes_bit_identically(tmp_pa
             return [{k: v for k, v in json.loads(x).items() if "timing_s/" not in k and "perf/" not in k} for x in f]
 
     assert rows(resumed) == rows(straight)
+
+
+def test_scoring_runs_in_eval_mode_so_dropout_never_moves_old_log_probs(tmp_path, monkeypatch):
+    """With model.lora.dropout=0.1, scoring in train mode gave two different old log-probs for one batch (up to
+    0.20 nats per token, issue 21), so the ratio of an untouched mini-batch was not 1. Scoring (old
+    log-probs, the carry's recorded ones, the reference) runs in eval mode; only the update trains."""
+    from rlcli.learner import rl_phase
+
+    t = make(tmp_path, monkeypatch, "steps=2", "model.lora.dropout=0.1", "algo.mini_batches=2", "save=false")
+    try:
+        t.train_step(1)  # the adapters move away from B = 0, so their dropout changes the output
+        model, phase = t.learner.actor.module, rl_phase(t.cfg)
+        assert model.training  # as the update leaves it
+        batch, _ = t.collect(t.timer)
+        first = t.learner.score(batch, 2, phase)["old_logp"]
+        assert model.training  # scoring puts back the mode it found
+        second = t.learner.score(batch, 2, phase)["old_logp"]
+        assert torch.equal(first, second)
+        model.train()
+        noisy = [t.learner.per_token(lambda *x: response_logprobs(model, *x, 1.0)[0], batch) for _ in range(2)]
+        assert not torch.equal(noisy[0], noisy[1])  # dropout is really on in train mode: the test can fail
+    finally:
+        t.rewards.close()

@@ -123,3 +123,44 @@ def test_rollout_correction_trains_and_sees_no_gap_with_the_hf_sampler(level, tm
             assert not undocumented(m, reward_parts=("sevens",))
     finally:
         t.rewards.close()
+
+
+def test_rollout_correction_weights_the_loss_by_trainer_over_sampler(tmp_path, monkeypatch):
+    """A sampler that lags the trainer (an HF engine over a frozen copy of the initial policy, as a stale or
+    asynchronous engine would be): after one update the token weights min(π_trainer/π_sampler, 2) are far
+    from 1, and the step's loss is exactly the clipped surrogate weighted by them. An inverted ratio or weights
+    never applied change pg_loss or weight_mean."""
+    import copy
+
+    from rlcli.algos.functional import aggregate, masked_mean, rollout_correction_weights
+    from rlcli.learner import rl_phase
+    from rlcli.rollout.hf import HFEngine
+
+    monkeypatch.setenv("RLCLI_CACHE", str(tmp_path / "cache"))
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        cfg = compose("config", overrides=[
+            "model.warm_start.enabled=false", "rollout.prompts_per_step=4", "rollout.n=4", "rollout.max_new_tokens=16",
+            "data.eval_size=4", "eval.before=false", "save=false", "steps=2", "~reward.weights.math_verify",
+            "+reward.weights.sevens=1.0", "+reward.custom.sevens=reward_fixtures.count_sevens", "optim.lr=1e-2",
+            "hw.num_threads=1", "algo.rollout_correction=token", "algo.kl_coef=0",
+        ])
+    cfg.run_dir = str(tmp_path / "run")
+    t = Trainer(cfg)
+    try:
+        t.rollout = HFEngine(copy.deepcopy(t.learner.actor.module).eval(), t.tokenizer, t.model_path, cfg)
+        t.train_step(1)  # the trainer moves, the sampler's copy does not
+        phase = rl_phase(cfg)
+        batch, _ = t.collect(t.timer)
+        batch = batch.replace(**t.learner.score(batch, 2, phase))
+        batch, _ = t.advantage(batch, 2, phase)
+        mask = batch.loss_mask
+        log_ratio = t.learner.logprobs(batch) - batch.rollout_logp  # [N, T] trainer minus sampler
+        w, _ = rollout_correction_weights(log_ratio, mask, level="token", upper=2.0)
+        assert abs(float(masked_mean(w, mask)) - 1.0) > 0.02, "the sampler must differ from the trainer"
+        # On-policy step: ratio 1, so the clipped surrogate is -A per token, times the correction weight.
+        want = aggregate(-batch.advantages * w, mask, cfg.algo.loss_agg, max_len=cfg.rollout.max_new_tokens)
+        m = t.learner.update(batch, phase)
+        assert m["actor/pg_loss"] == pytest.approx(float(want), rel=1e-4, abs=1e-6)
+        assert m["rollout_corr/weight_mean"] == pytest.approx(float(masked_mean(w, mask)), rel=1e-4)
+    finally:
+        t.rewards.close()

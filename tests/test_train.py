@@ -191,12 +191,14 @@ def test_two_processes_and_micro_batches_give_the_same_step(tmp_path, agg, algo)
     per-rank statistics its advantages (and adv/mean, adv/std) would differ. With the sequence-level modes the step-1 GRPO
     loss is a sum of group-centred advantages, zero up to rounding, hence the absolute 1e-7.
     """
-    extra = [f"algo={algo}", f"algo.loss_agg={agg}"]
+    # 1- to 3-digit operands: prompts of different lengths, so micro-batches trim prompt padding too.
+    extra = [f"algo={algo}", f"algo.loss_agg={agg}", "data.min_digits=1", "data.max_digits=3"]
     base = one_update(tmp_path, "one", 1, extra)
     # Micro-batches of at most 3 rows and 100 token slots, packed longest first and trimmed of padding.
     micro = one_update(tmp_path, "micro", 1, [*extra, "hw.micro_batch=3", "hw.max_tokens_per_micro_batch=100"])
     dist = one_update(tmp_path, "two", 2, extra)
     assert base["metrics"]["actor/grad_norm"] > 0
+    assert len(base["prompt_lengths"]) > 1, base["prompt_lengths"]  # micro-batches do trim prompts
     if (agg, algo) == ("token_mean", "grpo"):  # whitened REINFORCE++ advantages have mean 0: so has its loss
         assert abs(base["metrics"]["actor/pg_loss"]) > 1e-4  # a loss worth comparing
     for other in (micro, dist):

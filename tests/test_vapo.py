@@ -121,7 +121,7 @@ def test_ppo_and_vapo_train_two_steps(algo, tmp_path, monkeypatch):
     try:
         assert t.learner.critic is not None and (t.learner.ref is not None) == (t.cfg.algo.kl_coef > 0)
         if algo == "vapo":
-            assert (t.P, t.G) == (4, 4)  # group sampling: P x G as configured (without it: 16 x 1)
+            assert (t.units.P, t.units.G) == (4, 4)  # group sampling: P x G as configured (without it: 16 x 1)
             t.pretrain_critic()
         before = {n: p.detach().clone() for n, p in t.learner.actor.module.named_parameters()}
         for step in (1, 2):

@@ -10,7 +10,9 @@ import sys
 import torch
 
 from rlcli.config import load_frozen
+from rlcli.learner import rl_phase
 from rlcli.rollout import Sampling
+from rlcli.rollout.sampler import sampling_metrics
 from rlcli.rollout.shaping import shape
 from rlcli.trainer import Trainer
 
@@ -20,28 +22,29 @@ def main() -> None:
     t = Trainer(cfg)
     r = cfg.rollout
     torch.manual_seed(1234)
-    prompts = t.train_prompts.examples[: r.prompts_per_step]
+    prompts = t.state.prompts.examples[: r.prompts_per_step]
     b = t.rollout.generate([p["prompt"] for p in prompts], [p["answer"] for p in prompts], r.n, Sampling.of_rollout(r))
     b, reward_counts = t.reward(b)
     b, _ = shape(b, cfg.algo, r)
-    b = b.select_groups(b.groups[t.rank :: t.world])  # this rank's share of whole groups
-    b = b.replace(**t.score(b, 1))
+    b = b.select_groups(b.groups[t.rank :: t.units.world])  # this rank's share of whole groups
+    phase = rl_phase(cfg)
+    b = b.replace(**t.learner.score(b, 1, phase))
     grads: dict[str, torch.Tensor] = {}
-    apply = t.actor.step
+    actor = t.learner.actor
+    apply = actor.step
 
     def step():  # the all-reduced, accumulated gradient, as the optimizer is about to see it
-        grads.update({n: p.grad.clone() for n, p in t.actor.module.named_parameters() if p.grad is not None})
+        grads.update({n: p.grad.clone() for n, p in actor.module.named_parameters() if p.grad is not None})
         return apply()
 
-    t.actor.step = step
-    rewards, kl = t.token_rewards(b)
-    advantages, returns = t.advantages(b, rewards, 1)
-    b = b.replace(advantages=advantages, returns=returns)
+    actor.step = step
+    b, kl_metrics = t.advantage(b, 1, phase)
     counts = {f"dynamic_sampling/{k}": 0.0 for k in ("gen_batches", "generated_groups", "kept_groups", "carried")}
-    metrics = {**t.sampling_metrics(b, [b], {}, counts | reward_counts), **t.batch_metrics(b), **t.update_kl_controller(b, kl),
-               **t.update(b)}
+    metrics = {**sampling_metrics(b, [b], {}, counts | reward_counts), **t.learner.batch_metrics(b), **kl_metrics,
+               **t.learner.update(b, phase)}
     if t.rank == 0:
-        torch.save({"metrics": metrics, "grads": grads}, sys.argv[2])
+        prompt_lengths = sorted(set(b.prompt_mask.sum(-1).long().tolist()))
+        torch.save({"metrics": metrics, "grads": grads, "prompt_lengths": prompt_lengths}, sys.argv[2])
     t.rewards.close()
 
 
