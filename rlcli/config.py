@@ -304,7 +304,10 @@ class Config:
 
 
 def register_configs() -> None:
+    """The schema in Hydra's ConfigStore, and rlcli's resolver: `${rlcli.when:COND,VALUE}` is VALUE if COND
+    else null (a preset's value that only acts with another switch, e.g. the 32B preset's DAPO generation batch)."""
     ConfigStore.instance().store(name="config_schema", node=Config)
+    OmegaConf.register_new_resolver("rlcli.when", lambda cond, value: value if cond else None, replace=True)
 
 
 def world_size(hw: Any) -> int:
@@ -477,6 +480,14 @@ def validate_switches(cfg: Any) -> None:
             f"critic.aug_w0={c.aug_w0} mixes in the value model frozen after value pretraining: set "
             "algo.value_pretrain=true, or critic.aug_w0=null"
         )
+    r = cfg.rollout
+    if r.sleep_mode and r.engine != "vllm":
+        raise ValueError(f"rollout.sleep_mode=true puts a vLLM engine to sleep during the update, but rollout.engine="
+                         f"{r.engine} has none: set rollout.engine=vllm, or rollout.sleep_mode=false")
+    if r.gen_prompts_per_step is not None and not a.dynamic_sampling:
+        raise ValueError(f"rollout.gen_prompts_per_step={r.gen_prompts_per_step} sizes dynamic sampling's generation "
+                         "batches, but algo.dynamic_sampling=false: set algo.dynamic_sampling=true (algo=dapo), or "
+                         "rollout.gen_prompts_per_step=null")
     if not a.group_sampling and a.adv_estimator in GROUP_ESTIMATORS:
         raise ValueError(
             f"algo.group_sampling=false samples each prompt once, but algo.adv_estimator={a.adv_estimator} "

@@ -48,6 +48,12 @@ class LoopState:
         set_rng_state(state["rng"])
 
 
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
 def rng_state() -> dict[str, Any]:
     return {
         "python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),

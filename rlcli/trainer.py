@@ -11,22 +11,19 @@
       sync       the rollout engine samples from the new weights from then on
     7 log/eval/checkpoint (rlcli.checkpoint: every checkpoint.every steps, and on SIGTERM/SIGINT)
 
-Stages 4 and 6 are the learner's (rlcli/learner.py: engines, micro-batches, losses); what the loop carries
-from step to step is one LoopState (rlcli/state.py). Algorithms never fork this loop: they are a config plus
-registered functions. VAPO value pretraining is the same step in another phase: the critic alone learns,
-on Monte-Carlo returns.
+Stages 4 and 6 are the learner's (rlcli/learner.py); what the loop carries from step to step is one LoopState
+(rlcli/state.py). Algorithms never fork this loop: they are a config plus registered functions. VAPO value
+pretraining is the same step in another phase (the critic alone learns, on Monte-Carlo returns).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import random
 import time
 from collections import defaultdict
 from typing import Any
 
-import numpy as np
 import torch
 from omegaconf import OmegaConf
 from torch import Tensor
@@ -48,19 +45,10 @@ from rlcli.rewards import RewardManager
 from rlcli.rollout import ROLLOUT_ENGINES, Sampling
 from rlcli.rollout.sampler import DynamicSamplingExhausted, GroupSampler, sampling_metrics
 from rlcli.rollout.shaping import shape
-from rlcli.state import LoopState
+from rlcli.state import LoopState, seed_everything
 from rlcli.summary import startup_summary
 
-__all__ = ["DynamicSamplingExhausted", "Trainer", "seed_everything"]
-
-REWARD_COUNTS = ("timeouts", "errors", "restarts")  # reward metrics that are counts: summed, not averaged
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
+__all__ = ["DynamicSamplingExhausted", "Trainer"]
 
 class Trainer:
     def __init__(self, cfg: Any):
@@ -211,7 +199,7 @@ class Trainer:
                 )  # [N_gen = gen_p_local * G rows]
             s.next_group += len(prompts)
             with timer("reward"):
-                b, reward_counts = self.reward(b)
+                b, reward_counts = self.rewards.reward_batch(b)
             for k, v in reward_counts.items():
                 counts[k] += v
             with timer("shape"):
@@ -222,15 +210,6 @@ class Trainer:
 
         batch, pool, sampling = s.sampler.collect(sample, self.learner.logprobs)
         return batch, sampling_metrics(batch, pool, per_trajectory, {**counts, **sampling})
-
-    def reward(self, b: RolloutBatch) -> tuple[RolloutBatch, dict[str, float]]:
-        """Stage 2: -> (`b` with its task reward `scores` [N], correctness `acc` [N] and each reward
-        function's part `extras["reward/<name>"]` [N]; the verifier's timeout/error/restart counts)."""
-        out = self.rewards(b.texts, b.answers)
-        extras = {f"reward/{k}": v for k, v in out.parts.items()}
-        return b.replace(scores=out.score.clone(), acc=out.acc, extras=extras), {
-            f"reward/{k}": out.metrics[f"reward/{k}"] for k in REWARD_COUNTS
-        }
 
     # ------------------------------------------------------------------ stage 5
     def advantage(self, batch: RolloutBatch, step: int, phase: Phase) -> tuple[RolloutBatch, dict[str, float]]:

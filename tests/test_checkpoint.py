@@ -17,9 +17,8 @@ import time
 import psutil
 import pytest
 import torch
-from conftest import ROOT
+from conftest import FAST, ROOT, compose, metric_rows, policy_tensors, stable
 from omegaconf import OmegaConf
-from test_train import FAST
 
 from rlcli import checkpoint as ckpt
 
@@ -64,33 +63,19 @@ def test_resolve_auto_without_a_checkpoint_starts_fresh_and_a_bad_path_fails(tmp
         ckpt.resolve(str(tmp_path / "nope"), str(tmp_path))
 
 
-def compose(*overrides):
-    from conftest import CONF
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    from rlcli.config import register_configs
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        cfg = hydra_compose("config", overrides=list(overrides))
-    cfg.run_dir = "/runs/a"
-    return cfg
-
-
 def test_a_resume_that_changes_the_math_fails_naming_the_keys(tmp_path):
-    saved = compose("steps=10")
+    saved = compose("steps=10", run_dir="/runs/a")
     OmegaConf.save(saved, tmp_path / "config.yaml", resolve=True)
     (tmp_path / "meta.json").write_text(json.dumps({"step": 4}))
     # Keys that do not change the math may change.
     ckpt.check_compatible(str(tmp_path), compose("steps=20", "logger=wandb", "eval.every=5", "hw.micro_batch=8",
-                                                 "checkpoint.every=3", "resume=auto"))
+                                                 "checkpoint.every=3", "resume=auto", run_dir="/runs/a"))
     with pytest.raises(ValueError, match=r"algo\.clip_high \(0\.2 in the checkpoint, 0\.28 now\).*optim\.lr"):
-        ckpt.check_compatible(str(tmp_path), compose("steps=10", "algo.clip_high=0.28", "optim.lr=1e-3"))
+        ckpt.check_compatible(str(tmp_path), compose("steps=10", "algo.clip_high=0.28", "optim.lr=1e-3", run_dir="/runs/a"))
     with pytest.raises(ValueError, match="hw.nproc"):
-        ckpt.check_compatible(str(tmp_path), compose("steps=10", "hw=cpu_x2"))
+        ckpt.check_compatible(str(tmp_path), compose("steps=10", "hw=cpu_x2", run_dir="/runs/a"))
     with pytest.raises(ValueError, match="steps=3 is below the checkpoint's step 4"):
-        ckpt.check_compatible(str(tmp_path), compose("steps=3"))
+        ckpt.check_compatible(str(tmp_path), compose("steps=3", run_dir="/runs/a"))
 
 
 def test_first_signal_raises_a_flag_and_a_second_ctrl_c_aborts():
@@ -135,7 +120,6 @@ SCENARIOS = {
     # Critic, value pretraining and the frozen pretrained critic mixed into the advantages (V_aug).
     "vapo": ["algo=vapo", "critic.pretrain_steps=2", "critic.aug_w0=0.5"],
 }
-VOLATILE = ("timing_s/", "perf/")  # wall-clock seconds and peak memory (also as pretrain/timing_s/...)
 
 
 @pytest.fixture(scope="module")
@@ -164,14 +148,6 @@ def train(tmp_path, cache, *args):
     return out
 
 
-def rows(run):
-    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-
-
-def stable(rs):
-    return [{k: v for k, v in r.items() if not any(part in k for part in VOLATILE)} for r in rs]
-
-
 def wait_for(predicate, proc, timeout=300):
     t0 = time.time()
     while not predicate():
@@ -195,12 +171,6 @@ def logged_step(run, step):
     return seen
 
 
-def policy_tensors(run):
-    from safetensors.torch import load_file
-
-    return load_file(str(run / "policy" / "model.safetensors"))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("hw", ["cpu", "cpu_x2"])
 @pytest.mark.parametrize("algo", list(SCENARIOS))
@@ -221,11 +191,11 @@ def test_sigkill_then_resume_auto_is_bit_identical_to_a_straight_run(tmp_path, c
     out = train(tmp_path, cache, *args, "checkpoint.every=2", f"hydra.run.dir={run}", "resume=auto")
     assert "resumed from" in out and "2 of 5 steps done" in out
 
-    assert stable(rows(run)) == stable(rows(straight))
+    assert stable(metric_rows(run)) == stable(metric_rows(straight))
     a, b = policy_tensors(straight), policy_tensors(run)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     if algo == "dapo":  # a carry was in flight at the checkpoint
-        assert [r for r in rows(straight) if r["step"] == 3][0]["dynamic_sampling/carried"] > 0
+        assert [r for r in metric_rows(straight) if r["step"] == 3][0]["dynamic_sampling/carried"] > 0
     if algo == "grpo":  # wandb continues the same run
         meta = ckpt.read_meta(str(run / "checkpoints" / "step_4"))
         offline = [d for d in os.listdir(run / "wandb") if d.startswith("offline-run-")]
@@ -248,7 +218,7 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_usable(tmp_path, ca
     assert (run / "checkpoints" / ".step_4.tmp" / "actor").is_dir()  # the save really was cut midway
     assert ckpt.latest(str(run)) == str(run / "checkpoints" / "step_2")
     train(tmp_path, cache, *args, "checkpoint.every=2", f"hydra.run.dir={run}", "resume=auto")
-    assert stable(rows(run)) == stable(rows(straight))
+    assert stable(metric_rows(run)) == stable(metric_rows(straight))
     assert sorted(os.listdir(run / "checkpoints")) == ["latest", "step_4", "step_5"]  # every 2 and the last
 
 
@@ -266,7 +236,7 @@ def test_sigterm_finishes_the_step_writes_a_checkpoint_and_says_how_to_resume(tm
     step = ckpt.read_meta(latest)["step"]
     assert 1 <= step < 50 and f"stopped by SIGTERM after step {step}" in out
     assert f"hydra.run.dir={run} resume=auto" in out and f"hw={hw}" in out
-    assert max(r["step"] for r in rows(run)) == step  # nothing logged after the checkpoint
+    assert max(r["step"] for r in metric_rows(run)) == step  # nothing logged after the checkpoint
 
 
 def two_rank_run(tmp_path, cache, collective_timeout_s, shutdown_timeout_s):

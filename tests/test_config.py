@@ -5,21 +5,16 @@ import subprocess
 import sys
 
 import pytest
-from conftest import CONF, ROOT
-from hydra import compose, initialize_config_dir
+from conftest import CONF, ROOT, compose
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from rlcli.config import register_configs, validate
+from rlcli.config import validate
 from rlcli.schema_doc import group_options
-
-register_configs()
 
 
 def make(overrides=()):
-    with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        cfg = compose("config", overrides=list(overrides))
-    return cfg
+    return compose(*overrides)
 
 
 # Options that need a value only the user can give.
@@ -62,8 +57,8 @@ def test_typo_inside_a_yaml_fails(tmp_path):
     bad = tmp_path / "conf"
     subprocess.run(["cp", "-r", str(CONF), str(bad)], check=True)
     (bad / "algo" / "typo.yaml").write_text("name: typo\nclip_hihg: 0.3\n")
-    with initialize_config_dir(config_dir=str(bad), version_base=None), pytest.raises(ConfigCompositionException) as e:
-        compose("config", overrides=["algo=typo"])
+    with pytest.raises(ConfigCompositionException) as e:
+        compose("algo=typo", config_dir=bad)
     assert "clip_hihg" in str(e.value) + str(e.value.__cause__)
 
 
@@ -181,6 +176,8 @@ def test_vapo_at_paper_scale_is_the_papers_batch():
     (["hw=cpu_x2", "algo=dapo", "rollout.gen_prompts_per_step=5"], "divisible by hw.nproc=2"),
     (["rollout.engine=sglang"], "rollout.engine='sglang' is not a known rollout engine; valid names: hf, vllm"),
     (["rollout.engine=vllm", "rollout.sleep_mode=true"], "rollout.sleep_mode=true needs hw.device=cuda"),
+    (["rollout.sleep_mode=true"], "rollout.engine=hf has none"),
+    (["algo=grpo", "rollout.gen_prompts_per_step=32"], "algo.dynamic_sampling=false"),
     (["hw.offload_params=true"], "hw.offload_params=true needs hw.zero_stage=3"),
     (["hw.offload_optimizer=true"], "hw.offload_optimizer=true needs hw.zero_stage >= 1"),
     (["algo=dapo", "algo.filter_metric=reward"], "acc (verified correctness, DAPO) or score"),
@@ -274,3 +271,15 @@ def test_the_cli_answers_without_importing_the_heavy_stack(argv, tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "LIGHT" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
+
+
+def test_the_32b_generation_batch_follows_dynamic_sampling():
+    """verl's 3 x 512 prompts per dynamic-sampling batch belongs to dynamic sampling at 32B scale: algo=dapo and
+    the DAPO ladder's top rung get it; every other algorithm leaves it null (it would do nothing there, and
+    fail validation)."""
+    for dapo in (["algo=dapo"], ["recipe=dapo/05_dynamic_sampling"]):
+        assert compose(*dapo, "model=qwen2.5-32b").rollout.gen_prompts_per_step == 1536
+    for algo in ("grpo", "vapo", "ppo"):
+        cfg = compose(f"algo={algo}", "model=qwen2.5-32b")
+        assert cfg.rollout.gen_prompts_per_step is None
+        validate(cfg)

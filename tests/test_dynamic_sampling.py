@@ -8,32 +8,22 @@ scanning seeds 0-11 (`python` loop over Trainer.collect, 2026-11-22): its first 
 
 import pytest
 import torch
-from conftest import CONF
-from hydra import compose, initialize_config_dir
 
-from rlcli.config import register_configs
 from rlcli.learner import rl_phase
 from rlcli.metrics import Timer
 from rlcli.models import response_logprobs
-from rlcli.trainer import DynamicSamplingExhausted, Trainer
+from rlcli.trainer import DynamicSamplingExhausted
 
 pytestmark = pytest.mark.slow
-register_configs()
 
 
-def trainer(tmp_path, monkeypatch, reward, *extra):
-    monkeypatch.setenv("RLCLI_CACHE", str(tmp_path / "cache"))
-    overrides = [
-        "model.warm_start.enabled=false", "rollout.prompts_per_step=2", "rollout.gen_prompts_per_step=3",
-        "rollout.n=4", "rollout.max_new_tokens=16", "data.eval_size=4", "~reward.weights.math_verify",
-        "+reward.weights.scripted=1.0", f"+reward.custom.scripted=reward_fixtures.{reward}",
-        "algo.dynamic_sampling=true", "algo.filter_metric=score", "algo.max_gen_batches=4", "hw.num_threads=1",
-        *extra,
-    ]
-    with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        cfg = compose("config", overrides=overrides)
-    cfg.run_dir = str(tmp_path / "run")
-    return Trainer(cfg)
+def trainer(make_trainer, reward, *extra):
+    """A DAPO-sampling trainer (P=2 groups from generation batches of 3 prompts) with the scripted `reward`."""
+    return make_trainer(
+        "~reward.weights.sevens", "~reward.custom.sevens", "+reward.weights.scripted=1.0",
+        f"+reward.custom.scripted=reward_fixtures.{reward}", "rollout.prompts_per_step=2", "rollout.gen_prompts_per_step=3",
+        "algo.dynamic_sampling=true", "algo.filter_metric=score", "algo.max_gen_batches=4", "optim.lr=5e-5", *extra,
+    )
 
 
 def finish_step(t, batch, step=1):
@@ -49,78 +39,66 @@ def group_has_variance(batch, g):
     return bool((s.max() - s.min()) > 0)
 
 
-def test_keeps_informative_groups_refills_and_carries_the_surplus(tmp_path, monkeypatch):
-    t = trainer(tmp_path, monkeypatch, "count_sevens", "seed=5")
-    try:
-        batch, metrics = t.collect(Timer())
-        # Exactly P groups, each informative, found over a refill.
-        assert len(batch.groups) == 2 and len(batch) == 8
-        assert all(group_has_variance(batch, g) for g in batch.groups.tolist())
-        assert metrics["dynamic_sampling/gen_batches"] == 2
-        assert metrics["dynamic_sampling/carried"] == 0
-        assert 0 < metrics["dynamic_sampling/kept_fraction"] < 1
-        # The surplus group is carried, with the sampling policy's log-probs recorded now.
-        carry = t.state.sampler.carry
-        assert carry is not None and len(carry.groups) == 1 and carry.stale.all()
-        assert group_has_variance(carry, carry.groups.item())
-        with torch.no_grad():
-            logp, _ = response_logprobs(t.learner.actor.module, carry.prompt_ids, carry.prompt_mask, carry.response_ids,
-                                        carry.response_mask, t.cfg.rollout.temperature)
-        torch.testing.assert_close(carry.old_logp, logp * carry.response_mask)
-        carried_group = carry.groups.item()
-        # Finish step 1, then step 2 starts from the carried group.
-        finish_step(t, batch)
-        batch2, m2 = t.collect(Timer())
-        assert batch2.groups[0].item() == carried_group and m2["dynamic_sampling/carried"] == 1
-        rows = batch2.group_index == carried_group
-        assert batch2.stale[rows].all() and not batch2.stale[~rows].any()
-        torch.testing.assert_close(batch2.old_logp[rows], carry.old_logp)  # stale: one update old
-        assert all(group_has_variance(batch2, g) for g in batch2.groups.tolist())
-        # The LR schedule counts optimizer steps, not generation batches.
-        assert t.learner.actor.scheduler.last_epoch == 1
-    finally:
-        t.rewards.close()
+def test_keeps_informative_groups_refills_and_carries_the_surplus(make_trainer):
+    t = trainer(make_trainer, "count_sevens", "seed=5")
+    batch, metrics = t.collect(Timer())
+    # Exactly P groups, each informative, found over a refill.
+    assert len(batch.groups) == 2 and len(batch) == 8
+    assert all(group_has_variance(batch, g) for g in batch.groups.tolist())
+    assert metrics["dynamic_sampling/gen_batches"] == 2
+    assert metrics["dynamic_sampling/carried"] == 0
+    assert 0 < metrics["dynamic_sampling/kept_fraction"] < 1
+    # The surplus group is carried, with the sampling policy's log-probs recorded now.
+    carry = t.state.sampler.carry
+    assert carry is not None and len(carry.groups) == 1 and carry.stale.all()
+    assert group_has_variance(carry, carry.groups.item())
+    with torch.no_grad():
+        logp, _ = response_logprobs(t.learner.actor.module, carry.prompt_ids, carry.prompt_mask, carry.response_ids,
+                                    carry.response_mask, t.cfg.rollout.temperature)
+    torch.testing.assert_close(carry.old_logp, logp * carry.response_mask)
+    carried_group = carry.groups.item()
+    # Finish step 1, then step 2 starts from the carried group.
+    finish_step(t, batch)
+    batch2, m2 = t.collect(Timer())
+    assert batch2.groups[0].item() == carried_group and m2["dynamic_sampling/carried"] == 1
+    rows = batch2.group_index == carried_group
+    assert batch2.stale[rows].all() and not batch2.stale[~rows].any()
+    torch.testing.assert_close(batch2.old_logp[rows], carry.old_logp)  # stale: one update old
+    assert all(group_has_variance(batch2, g) for g in batch2.groups.tolist())
+    # The LR schedule counts optimizer steps, not generation batches.
+    assert t.learner.actor.scheduler.last_epoch == 1
 
 
-def test_carried_groups_keep_their_old_logp_in_the_update(tmp_path, monkeypatch):
+def test_carried_groups_keep_their_old_logp_in_the_update(make_trainer):
     """On-policy shortcut (1 mini-batch, 1 epoch) must not apply to carried rows: their ratio is
     π_now / π_sampling, so after one update it differs from 1 (DAPO, arXiv:2503.14476 §3.2; the carry is rlcli's)."""
-    t = trainer(tmp_path, monkeypatch, "count_sevens", "seed=5")
-    try:
-        b1, _ = t.collect(Timer())
-        finish_step(t, b1)
-        b2, _ = t.collect(Timer())
-        stale = b2.select(b2.stale.nonzero().squeeze(-1))
-        with torch.no_grad():
-            now, _ = response_logprobs(t.learner.actor.module, stale.prompt_ids, stale.prompt_mask, stale.response_ids,
-                                       stale.response_mask, t.cfg.rollout.temperature)
-        assert not torch.allclose(now * stale.response_mask, stale.old_logp)
-        m2 = finish_step(t, b2, 2)
-        assert m2["actor/ppo_kl"] != 0.0  # the stale rows bring a non-trivial ratio into the loss
-    finally:
-        t.rewards.close()
+    t = trainer(make_trainer, "count_sevens", "seed=5")
+    b1, _ = t.collect(Timer())
+    finish_step(t, b1)
+    b2, _ = t.collect(Timer())
+    stale = b2.select(b2.stale.nonzero().squeeze(-1))
+    with torch.no_grad():
+        now, _ = response_logprobs(t.learner.actor.module, stale.prompt_ids, stale.prompt_mask, stale.response_ids,
+                                   stale.response_mask, t.cfg.rollout.temperature)
+    assert not torch.allclose(now * stale.response_mask, stale.old_logp)
+    m2 = finish_step(t, b2, 2)
+    assert m2["actor/ppo_kl"] != 0.0  # the stale rows bring a non-trivial ratio into the loss
 
 
-def test_fails_with_an_actionable_message_when_the_cap_is_hit(tmp_path, monkeypatch):
-    t = trainer(tmp_path, monkeypatch, "even_answer", "seed=0")
-    try:
-        with pytest.raises(DynamicSamplingExhausted) as e:
-            t.collect(Timer())
-        msg = str(e.value)
-        assert "found only 0 informative groups of the 2 needed" in msg
-        assert "algo.max_gen_batches=4" in msg and "rollout.gen_prompts_per_step" in msg
-        assert "algo.train_on_partial=true" in msg
-    finally:
-        t.rewards.close()
+def test_fails_with_an_actionable_message_when_the_cap_is_hit(make_trainer):
+    t = trainer(make_trainer, "even_answer", "seed=0")
+    with pytest.raises(DynamicSamplingExhausted) as e:
+        t.collect(Timer())
+    msg = str(e.value)
+    assert "found only 0 informative groups of the 2 needed" in msg
+    assert "algo.max_gen_batches=4" in msg and "rollout.gen_prompts_per_step" in msg
+    assert "algo.train_on_partial=true" in msg
 
 
-def test_train_on_partial_uses_what_was_found(tmp_path, monkeypatch):
+def test_train_on_partial_uses_what_was_found(make_trainer):
     # seed 10 needed 4 batches to fill P=2; with a cap of 1 batch it keeps fewer groups and trains on them.
-    t = trainer(tmp_path, monkeypatch, "count_sevens", "seed=10", "algo.max_gen_batches=1",
+    t = trainer(make_trainer, "count_sevens", "seed=10", "algo.max_gen_batches=1",
                 "algo.train_on_partial=true")
-    try:
-        batch, m = t.collect(Timer())
-        assert m["dynamic_sampling/gen_batches"] == 1 and 1 <= len(batch.groups) < 2
-        assert finish_step(t, batch)["actor/grad_norm"] > 0
-    finally:
-        t.rewards.close()
+    batch, m = t.collect(Timer())
+    assert m["dynamic_sampling/gen_batches"] == 1 and 1 <= len(batch.groups) < 2
+    assert finish_step(t, batch)["actor/grad_norm"] > 0

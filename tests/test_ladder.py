@@ -13,16 +13,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import CONF, ROOT
-from hydra import compose, initialize_config_dir
+from conftest import CONF, ROOT, compose
 from omegaconf import OmegaConf
 
 from rlcli import ladder
-from rlcli.config import register_configs, validate
+from rlcli.config import validate
 from rlcli.ladder import LadderDefaults, base_index, build_command, collect, rungs
 from rlcli.plot import figure, find_runs, group_runs
-
-register_configs()
 
 RECIPES = CONF / "recipe"
 IGNORED = ("ladder.", "algo.name")  # rung metadata and run names are not knobs
@@ -36,8 +33,7 @@ def make(overrides=()):
 
 @functools.cache  # the rung tests compose the same configs many times; they only read them
 def _compose(overrides: tuple[str, ...]):
-    with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        cfg = compose("config", overrides=list(overrides))
+    cfg = compose(*overrides)
     OmegaConf.set_readonly(cfg, True)
     return cfg
 
@@ -50,7 +46,9 @@ def flat(cfg) -> dict:
         else:
             yield prefix[:-1], node
 
-    tree = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    # Unresolved: a rung's knobs, not what follows from them (the 32B preset's generation batch follows
+    # algo.dynamic_sampling through an interpolation).
+    tree = OmegaConf.to_container(cfg, resolve=False, throw_on_missing=False)
     return {k: v for k, v in walk(tree, "") if not k.startswith(IGNORED)}
 
 

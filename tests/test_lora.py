@@ -4,35 +4,19 @@ is the merged model, loadable by AutoModelForCausalLM."""
 
 import pytest
 import torch
-from conftest import CONF
-from hydra import compose, initialize_config_dir
 
-from rlcli.config import register_configs, validate
 from rlcli.models import response_logprobs
-from rlcli.trainer import Trainer
 
 pytestmark = pytest.mark.slow
 
 
-def make(tmp_path, monkeypatch, *overrides):
-    monkeypatch.setenv("RLCLI_CACHE", str(tmp_path / "cache"))
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        cfg = compose("config", overrides=[
-            "model.warm_start.enabled=false", "rollout.prompts_per_step=4", "rollout.n=4", "rollout.max_new_tokens=16",
-            "data.eval_size=4", "eval.before=false", "hw.num_threads=1", "~reward.weights.math_verify",
-            "+reward.weights.sevens=1.0", "+reward.custom.sevens=reward_fixtures.count_sevens", "optim.lr=1e-2",
-            "model.lora.r=4", "algo.kl_coef=0.04", "checkpoint.every=1", *overrides,
-        ])
-    cfg.run_dir = str(tmp_path / "run")
-    validate(cfg)
-    return Trainer(cfg)
+LORA = ["optim.lr=1e-2", "model.lora.r=4", "algo.kl_coef=0.04", "checkpoint.every=1"]
 
 
-def test_lora_trains_the_adapters_only_and_the_reference_is_the_initial_policy(tmp_path, monkeypatch):
+def test_lora_trains_the_adapters_only_and_the_reference_is_the_initial_policy(make_trainer):
     from transformers import AutoModelForCausalLM
 
-    t = make(tmp_path, monkeypatch, "steps=2")
+    t = make_trainer(*LORA, "steps=2")
     model = t.learner.actor.module
     base = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" not in n}
     lora = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
@@ -61,19 +45,19 @@ def test_lora_trains_the_adapters_only_and_the_reference_is_the_initial_policy(t
                                                   "down_proj")) for n in moved)
 
 
-def test_a_lora_checkpoint_holds_the_adapters_and_resumes_bit_identically(tmp_path, monkeypatch):
+def test_a_lora_checkpoint_holds_the_adapters_and_resumes_bit_identically(make_trainer):
     """Checkpoints leave the frozen base out (it is rebuilt from the model path): the actor checkpoint is
     a fraction of the full model's, and a run resumed from step 1 logs step 2 exactly as a straight run."""
     import json
     import os
 
-    straight = make(tmp_path / "a", monkeypatch, "steps=2", "save=false")
+    straight = make_trainer(*LORA, "steps=2", "save=false", run="straight")
     straight.fit()
     step1 = os.path.join(straight.cfg.run_dir, "checkpoints", "step_1")
     size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(os.path.join(step1, "actor")) for f in fs)
     full = sum(p.numel() * 4 for n, p in straight.learner.actor.module.named_parameters())
     assert size < 0.5 * full
-    resumed = make(tmp_path / "b", monkeypatch, "steps=2", "save=false", f"resume={step1}")
+    resumed = make_trainer(*LORA, "steps=2", "save=false", f"resume={step1}", run="resumed")
     resumed.fit()
 
     def rows(t):
@@ -83,24 +67,21 @@ def test_a_lora_checkpoint_holds_the_adapters_and_resumes_bit_identically(tmp_pa
     assert rows(resumed) == rows(straight)
 
 
-def test_scoring_runs_in_eval_mode_so_dropout_never_moves_old_log_probs(tmp_path, monkeypatch):
+def test_scoring_runs_in_eval_mode_so_dropout_never_moves_old_log_probs(make_trainer):
     """With model.lora.dropout=0.1, scoring in train mode gave two different old log-probs for one batch (up to
     0.20 nats per token, issue 21), so the ratio of an untouched mini-batch was not 1. Scoring (old
     log-probs, the carry's recorded ones, the reference) runs in eval mode; only the update trains."""
     from rlcli.learner import rl_phase
 
-    t = make(tmp_path, monkeypatch, "steps=2", "model.lora.dropout=0.1", "algo.mini_batches=2", "save=false")
-    try:
-        t.train_step(1)  # the adapters move away from B = 0, so their dropout changes the output
-        model, phase = t.learner.actor.module, rl_phase(t.cfg)
-        assert model.training  # as the update leaves it
-        batch, _ = t.collect(t.timer)
-        first = t.learner.score(batch, 2, phase)["old_logp"]
-        assert model.training  # scoring puts back the mode it found
-        second = t.learner.score(batch, 2, phase)["old_logp"]
-        assert torch.equal(first, second)
-        model.train()
-        noisy = [t.learner.per_token(lambda *x: response_logprobs(model, *x, 1.0)[0], batch) for _ in range(2)]
-        assert not torch.equal(noisy[0], noisy[1])  # dropout is really on in train mode: the test can fail
-    finally:
-        t.rewards.close()
+    t = make_trainer(*LORA, "steps=2", "model.lora.dropout=0.1", "algo.mini_batches=2", "save=false")
+    t.train_step(1)  # the adapters move away from B = 0, so their dropout changes the output
+    model, phase = t.learner.actor.module, rl_phase(t.cfg)
+    assert model.training  # as the update leaves it
+    batch, _ = t.collect(t.timer)
+    first = t.learner.score(batch, 2, phase)["old_logp"]
+    assert model.training  # scoring puts back the mode it found
+    second = t.learner.score(batch, 2, phase)["old_logp"]
+    assert torch.equal(first, second)
+    model.train()
+    noisy = [t.learner.per_token(lambda *x: response_logprobs(model, *x, 1.0)[0], batch) for _ in range(2)]
+    assert not torch.equal(noisy[0], noisy[1])  # dropout is really on in train mode: the test can fail

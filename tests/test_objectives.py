@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import CONF
-from hydra import compose, initialize_config_dir
+from conftest import CONF, compose
 
 from rlcli.algos import POLICY_LOSSES, AlgoConfig
 from rlcli.algos import functional as F
 from rlcli.algos.config import validate as validate_algo
-from rlcli.config import register_configs
 from rlcli.config import validate as validate_config
 
-register_configs()
 D = torch.float64
 NAN = float("nan")
 
@@ -240,11 +237,6 @@ def test_registry_entries_read_clip_bounds_from_cfg(name, fn):
     assert metrics.keys() == ref_metrics.keys() and "pg_clipfrac" in metrics and "ppo_kl" in metrics
 
 
-def compose_algo(preset: str, *overrides: str):
-    with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        return compose("config", overrides=[f"algo={preset}", *overrides])
-
-
 @pytest.mark.parametrize(
     ("preset", "expected"),
     [
@@ -258,7 +250,7 @@ def test_presets_compose_to_the_paper_values(preset, expected):
     text = (CONF / "algo" / f"{preset}.yaml").read_text()
     assert text.startswith("#") and "arXiv:" in text.split("\nname:")[0], "header comment must cite the paper"
     for hw in ("cpu", "cpu_x2"):  # model=tiny: 16 prompts -> 16 or 8 per rank, divisible by 4
-        cfg = compose_algo(preset, f"hw={hw}")
+        cfg = compose(f"algo={preset}", f"hw={hw}")
         validate_config(cfg)
         for key, value in expected.items():
             assert cfg.algo[key] == value, f"{preset}.{key}"

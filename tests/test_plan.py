@@ -12,10 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import CONF, ROOT
-from hydra import compose, initialize_config_dir
+from conftest import ROOT, compose
 
-from rlcli.config import register_configs
 from rlcli.plan import (
     Arch,
     activation_elements_per_token,
@@ -29,12 +27,6 @@ from rlcli.plan import (
 )
 
 PSI = 1_000_000_000  # Ψ = 1B parameters, 8 ranks: the golden numbers below are in bytes
-
-
-def compose_cfg(*overrides: str):
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        return compose("config", overrides=list(overrides))
 
 
 @pytest.mark.parametrize("stage, weights, grads, optim", [
@@ -118,7 +110,7 @@ def test_param_count_equals_the_real_models():
         real = sum(p.numel() for p in build_tiny_model(tiny, tok, 0).parameters())
         assert param_count(arch_of(SimpleNamespace(path=None, tiny=tiny))) == real
     for preset, shape in (("qwen2.5-0.5b", QWEN25_05B), ("qwen2.5-32b", None)):
-        arch = arch_of(compose_cfg(f"model={preset}").model)
+        arch = arch_of(compose(f"model={preset}").model)
         if shape is None:  # the 32B preset's own numbers, built on the meta device (no memory)
             shape = {"hidden_size": arch.hidden, "intermediate_size": arch.intermediate, "vocab_size": arch.vocab,
                      "num_hidden_layers": arch.layers, "num_attention_heads": arch.heads,
@@ -126,8 +118,8 @@ def test_param_count_equals_the_real_models():
         with torch.device("meta"):
             real = sum(p.numel() for p in Qwen2ForCausalLM(Qwen2Config(**shape)).parameters())
         assert param_count(arch) == real
-    assert param_count(arch_of(compose_cfg("model=qwen2.5-0.5b").model)) == 494_032_768  # card: 0.49B
-    assert param_count(arch_of(compose_cfg("model=qwen2.5-32b").model)) == 32_763_876_352  # card: 32.5B
+    assert param_count(arch_of(compose("model=qwen2.5-0.5b").model)) == 494_032_768  # card: 0.49B
+    assert param_count(arch_of(compose("model=qwen2.5-32b").model)) == 32_763_876_352  # card: 32.5B
 
 
 def test_lora_count_and_local_config_json(tmp_path):
@@ -141,12 +133,12 @@ def test_lora_count_and_local_config_json(tmp_path):
 
 
 def test_reference_and_critic_rows_follow_the_algorithm():
-    grpo = estimate(compose_cfg("algo=grpo"))  # kl_coef 0.04: a frozen copy
+    grpo = estimate(compose("algo=grpo"))  # kl_coef 0.04: a frozen copy
     assert grpo.rows["reference model"] == grpo.rows["weights"] and grpo.rows["critic"] == 0
-    assert estimate(compose_cfg("algo=dapo")).rows["reference model"] == 0  # kl_coef 0
-    ppo = estimate(compose_cfg("algo=ppo"))  # gae needs values: backbone + head, own Adam
+    assert estimate(compose("algo=dapo")).rows["reference model"] == 0  # kl_coef 0
+    ppo = estimate(compose("algo=ppo"))  # gae needs values: backbone + head, own Adam
     assert ppo.rows["critic"] > 0.9 * (ppo.rows["weights"] + ppo.rows["gradients"] + ppo.rows["optimizer states"])
-    lora = estimate(compose_cfg("algo=grpo", "model.lora.r=8"))
+    lora = estimate(compose("algo=grpo", "model.lora.r=8"))
     assert lora.rows["reference model"] == 0 and lora.rows["gradients"] < 0.1 * grpo.rows["gradients"]
 
 
@@ -154,7 +146,7 @@ def test_reference_and_critic_rows_follow_the_algorithm():
 def test_the_32b_dapo_plan_does_not_fit_and_names_fixes_that_do(engine, fix):
     """vLLM's 61 GiB of bf16 weights exceed the 0.4 x 80 GiB reservation at one GPU per engine; HF generate's KV
     cache for 128 rows of 20,736 tokens is 648 GiB."""
-    cfg = compose_cfg("model=qwen2.5-32b", "hw=8xa100", "algo=dapo", f"rollout.engine={engine}")
+    cfg = compose("model=qwen2.5-32b", "hw=8xa100", "algo=dapo", f"rollout.engine={engine}")
     plan = estimate(cfg)
     assert plan.fits is False
     text = render(cfg, plan)

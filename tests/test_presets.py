@@ -18,15 +18,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONF
-from hydra import compose, initialize_config_dir
 from metric_names import undocumented
 
-from rlcli.config import register_configs, validate
-from rlcli.trainer import Trainer
-
 pytestmark = pytest.mark.slow
-register_configs()
 
 PRESETS = {
     "grpo": [],
@@ -61,71 +55,45 @@ def check_golden(preset: str, got: dict[str, list[float]]) -> None:
 
 
 @pytest.mark.parametrize("preset", PRESETS)
-def test_preset_trains_two_steps(preset, tmp_path, monkeypatch):
-    monkeypatch.setenv("RLCLI_CACHE", str(tmp_path / "cache"))
-    with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        cfg = compose("config", overrides=[
-            f"algo={preset}", "model.warm_start.enabled=false", "rollout.prompts_per_step=4", "rollout.n=4",
-            "rollout.max_new_tokens=16", "data.eval_size=4", "eval.before=false", "save=false", "steps=2",
-            "~reward.weights.math_verify", "+reward.weights.sevens=1.0",
-            "+reward.custom.sevens=reward_fixtures.count_sevens", "optim.lr=1e-3", "hw.num_threads=1",
-            *PRESETS[preset],
-        ])
-    cfg.run_dir = str(tmp_path / "run")
-    validate(cfg)
-    t = Trainer(cfg)
-    try:
-        assert (t.learner.ref is not None) == (cfg.algo.kl_coef > 0)  # no reference model without KL
-        got: dict[str, list[float]] = {}
-        if t.units.pretrain_steps:  # VAPO: value pretraining first, as fit() runs it
-            got["pretrain/vf_loss"] = [t.pretrain_critic()["vf_loss"]]
-        before = {n: p.detach().clone() for n, p in t.learner.actor.module.named_parameters()}
-        for step in (1, 2):
-            m = t.train_step(step)
-            for k in GOLDEN_KEYS:
-                if k in m:
-                    got.setdefault(k, []).append(m[k])
-            for k, v in m.items():
-                assert math.isfinite(v), (k, v)
-            assert m["actor/grad_norm"] > 0 and m["actor/skipped_steps"] == 0
-            assert not undocumented(m, reward_parts=("sevens",))
-        moved = [n for n, p in t.learner.actor.module.named_parameters() if not torch.equal(before[n], p)]
-        assert len(moved) == len(before)
-        if cfg.algo.kl_coef > 0:
-            assert ("actor/reward_kl" in m) == cfg.algo.kl_in_reward
-            assert ("actor/kl_loss" in m) == (not cfg.algo.kl_in_reward)
-        check_golden(preset, got)
-    finally:
-        t.rewards.close()
+def test_preset_trains_two_steps(preset, make_trainer):
+    t = make_trainer(f"algo={preset}", "save=false", "steps=2", *PRESETS[preset])
+    cfg = t.cfg
+    assert (t.learner.ref is not None) == (cfg.algo.kl_coef > 0)  # no reference model without KL
+    got: dict[str, list[float]] = {}
+    if t.units.pretrain_steps:  # VAPO: value pretraining first, as fit() runs it
+        got["pretrain/vf_loss"] = [t.pretrain_critic()["vf_loss"]]
+    before = {n: p.detach().clone() for n, p in t.learner.actor.module.named_parameters()}
+    for step in (1, 2):
+        m = t.train_step(step)
+        for k in GOLDEN_KEYS:
+            if k in m:
+                got.setdefault(k, []).append(m[k])
+        for k, v in m.items():
+            assert math.isfinite(v), (k, v)
+        assert m["actor/grad_norm"] > 0 and m["actor/skipped_steps"] == 0
+        assert not undocumented(m, reward_parts=("sevens",))
+    moved = [n for n, p in t.learner.actor.module.named_parameters() if not torch.equal(before[n], p)]
+    assert len(moved) == len(before)
+    if cfg.algo.kl_coef > 0:
+        assert ("actor/reward_kl" in m) == cfg.algo.kl_in_reward
+        assert ("actor/kl_loss" in m) == (not cfg.algo.kl_in_reward)
+    check_golden(preset, got)
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
-def test_rollout_correction_trains_and_sees_no_gap_with_the_hf_sampler(level, tmp_path, monkeypatch):
+def test_rollout_correction_trains_and_sees_no_gap_with_the_hf_sampler(level, make_trainer):
     """algo.rollout_correction weights the loss by π_trainer/π_sampler. With HF generate the sampler is
     the trainer's own model, so the weights are 1 up to float rounding: nothing is clipped, training runs."""
-    monkeypatch.setenv("RLCLI_CACHE", str(tmp_path / "cache"))
-    with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        cfg = compose("config", overrides=[
-            "model.warm_start.enabled=false", "rollout.prompts_per_step=4", "rollout.n=4", "rollout.max_new_tokens=16",
-            "data.eval_size=4", "eval.before=false", "save=false", "steps=2", "~reward.weights.math_verify",
-            "+reward.weights.sevens=1.0", "+reward.custom.sevens=reward_fixtures.count_sevens", "optim.lr=1e-3",
-            "hw.num_threads=1", f"algo.rollout_correction={level}", "algo.mini_batches=2",
-        ])
-    cfg.run_dir = str(tmp_path / "run")
-    validate(cfg)
-    t = Trainer(cfg)
-    try:
-        for step in (1, 2):
-            m = t.train_step(step)
-            assert m["rollout_corr/weight_mean"] == pytest.approx(1.0, abs=1e-3)
-            assert m["rollout_corr/weight_max"] == pytest.approx(1.0, abs=1e-2)
-            assert m["rollout_corr/clipped_frac"] == 0.0 and m["actor/grad_norm"] > 0
-            assert not undocumented(m, reward_parts=("sevens",))
-    finally:
-        t.rewards.close()
+    t = make_trainer("save=false", "steps=2", f"algo.rollout_correction={level}", "algo.mini_batches=2")
+    for step in (1, 2):
+        m = t.train_step(step)
+        assert m["rollout_corr/weight_mean"] == pytest.approx(1.0, abs=1e-3)
+        assert m["rollout_corr/weight_max"] == pytest.approx(1.0, abs=1e-2)
+        assert m["rollout_corr/clipped_frac"] == 0.0 and m["actor/grad_norm"] > 0
+        assert not undocumented(m, reward_parts=("sevens",))
 
 
-def test_rollout_correction_weights_the_loss_by_trainer_over_sampler(tmp_path, monkeypatch):
+def test_rollout_correction_weights_the_loss_by_trainer_over_sampler(make_trainer):
     """A sampler that lags the trainer (an HF engine over a frozen copy of the initial policy, as a stale or
     asynchronous engine would be): after one update the token weights min(π_trainer/π_sampler, 2) are far
     from 1, and the step's loss is exactly the clipped surrogate weighted by them. An inverted ratio or weights
@@ -136,31 +104,20 @@ def test_rollout_correction_weights_the_loss_by_trainer_over_sampler(tmp_path, m
     from rlcli.learner import rl_phase
     from rlcli.rollout.hf import HFEngine
 
-    monkeypatch.setenv("RLCLI_CACHE", str(tmp_path / "cache"))
-    with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        cfg = compose("config", overrides=[
-            "model.warm_start.enabled=false", "rollout.prompts_per_step=4", "rollout.n=4", "rollout.max_new_tokens=16",
-            "data.eval_size=4", "eval.before=false", "save=false", "steps=2", "~reward.weights.math_verify",
-            "+reward.weights.sevens=1.0", "+reward.custom.sevens=reward_fixtures.count_sevens", "optim.lr=1e-2",
-            "hw.num_threads=1", "algo.rollout_correction=token", "algo.kl_coef=0",
-        ])
-    cfg.run_dir = str(tmp_path / "run")
-    t = Trainer(cfg)
-    try:
-        t.rollout = HFEngine(copy.deepcopy(t.learner.actor.module).eval(), t.tokenizer, t.model_path, cfg)
-        t.train_step(1)  # the trainer moves, the sampler's copy does not
-        phase = rl_phase(cfg)
-        batch, _ = t.collect(t.timer)
-        batch = batch.replace(**t.learner.score(batch, 2, phase))
-        batch, _ = t.advantage(batch, 2, phase)
-        mask = batch.loss_mask
-        log_ratio = t.learner.logprobs(batch) - batch.rollout_logp  # [N, T] trainer minus sampler
-        w, _ = rollout_correction_weights(log_ratio, mask, level="token", upper=2.0)
-        assert abs(float(masked_mean(w, mask)) - 1.0) > 0.02, "the sampler must differ from the trainer"
-        # On-policy step: ratio 1, so the clipped surrogate is -A per token, times the correction weight.
-        want = aggregate(-batch.advantages * w, mask, cfg.algo.loss_agg, max_len=cfg.rollout.max_new_tokens)
-        m = t.learner.update(batch, phase)
-        assert m["actor/pg_loss"] == pytest.approx(float(want), rel=1e-4, abs=1e-6)
-        assert m["rollout_corr/weight_mean"] == pytest.approx(float(masked_mean(w, mask)), rel=1e-4)
-    finally:
-        t.rewards.close()
+    t = make_trainer("save=false", "steps=2", "optim.lr=1e-2", "algo.rollout_correction=token", "algo.kl_coef=0")
+    cfg = t.cfg
+    t.rollout = HFEngine(copy.deepcopy(t.learner.actor.module).eval(), t.tokenizer, t.model_path, cfg)
+    t.train_step(1)  # the trainer moves, the sampler's copy does not
+    phase = rl_phase(cfg)
+    batch, _ = t.collect(t.timer)
+    batch = batch.replace(**t.learner.score(batch, 2, phase))
+    batch, _ = t.advantage(batch, 2, phase)
+    mask = batch.loss_mask
+    log_ratio = t.learner.logprobs(batch) - batch.rollout_logp  # [N, T] trainer minus sampler
+    w, _ = rollout_correction_weights(log_ratio, mask, level="token", upper=2.0)
+    assert abs(float(masked_mean(w, mask)) - 1.0) > 0.02, "the sampler must differ from the trainer"
+    # On-policy step: ratio 1, so the clipped surrogate is -A per token, times the correction weight.
+    want = aggregate(-batch.advantages * w, mask, cfg.algo.loss_agg, max_len=cfg.rollout.max_new_tokens)
+    m = t.learner.update(batch, phase)
+    assert m["actor/pg_loss"] == pytest.approx(float(want), rel=1e-4, abs=1e-6)
+    assert m["rollout_corr/weight_mean"] == pytest.approx(float(masked_mean(w, mask)), rel=1e-4)

@@ -1,7 +1,8 @@
 """Reward subsystem: answer extraction, math-verify scoring, weighting, the Hydra list group, and the
 sandbox against untrusted output. Real math-verify, real worker processes, no mocks.
 
-Timing bounds use TIMEOUT = 1 s: an adversarial response must come back within TIMEOUT + 1 s.
+Worker timeouts are TIMEOUT = 1 s. Tests assert outcomes (scored 0, counted as a timeout or error, the
+worker replaced), never wall-clock seconds, which flake on a loaded 2-core machine.
 User reward functions live in tests/reward_fixtures.py (tests/ is on sys.path via conftest.py, and
 workers inherit the parent's sys.path).
 """
@@ -12,7 +13,6 @@ import os
 import shutil
 import signal
 import threading
-import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -167,9 +167,7 @@ def test_custom_rewards_and_acc_without_math_verify_weight():
         # A function that swallows the worker's soft timeout is killed at timeout_s + grace, and
         # the worker replaced; the other response of the call is still scored.
         pid = manager.pool.pids()[0]
-        t0 = time.perf_counter()
         out = manager(["\\boxed{1} hang", "\\boxed{1}"], ["1", "1"])
-        assert time.perf_counter() - t0 < TIMEOUT + 1.0 + 2.0  # + start-up of the replacement
         assert out.score[0].item() == 0.0 and out.acc.tolist() == [0.0, 1.0]
         assert out.metrics["reward/timeouts"] == 1 and out.metrics["reward/restarts"] == 1
         assert manager.pool.pids()[0] != pid
@@ -201,11 +199,8 @@ ADVERSARIAL = {
 @pytest.mark.parametrize("name", list(ADVERSARIAL))
 def test_adversarial_input_scores_zero_within_timeout(mv, name):
     response, truth = ADVERSARIAL[name]
-    mv.pool.wait_ready()  # time the input, not a replacement's start-up
-    t0 = time.perf_counter()
-    out = mv([response], [truth])
-    elapsed = time.perf_counter() - t0
-    assert elapsed < TIMEOUT + 1.0, f"{name} took {elapsed:.2f} s"
+    mv.pool.wait_ready()
+    out = mv([response], [truth])  # the outcome, not the seconds: a worker past its timeout is counted
     assert out.score.tolist() == [0.0] and out.acc.tolist() == [0.0]
     assert out.metrics["reward/timeouts"] + out.metrics["reward/errors"] == 1
     assert_healthy(mv)
@@ -213,10 +208,9 @@ def test_adversarial_input_scores_zero_within_timeout(mv, name):
 
 def test_unbraced_power_tower_is_an_ordinary_wrong_answer(mv):
     # latex2sympy reads 9^9^9^9 left-associatively, ((9^9)^9)^9 = 9^729: cheap and simply wrong.
-    t0 = time.perf_counter()
     out = mv(["\\boxed{9^9^9^9}"], ["2"])
-    assert time.perf_counter() - t0 < TIMEOUT + 1.0
     assert out.score.tolist() == [0.0]
+    assert out.metrics["reward/timeouts"] == 0 and out.metrics["reward/errors"] == 0  # wrong, not a failure
 
 
 def test_soft_timeout_keeps_the_worker(mv):

@@ -15,8 +15,6 @@ from rlcli.models.tiny import (
     load_tiny_tokenizer,
 )
 from rlcli.sft import (
-    greedy_accuracy,
-    sampled_accuracy,
     sft_train,
     task_args,
     warm_start,
@@ -93,16 +91,13 @@ def test_sft_lowers_loss(tok):
     examples = arith_examples("train", 64, seed=0, max_digits=1)
     stats = sft_train(model, tok, examples, steps=12, batch_size=16, lr=1e-2, seed=0, progress=False)
     assert stats["losses"][-1] < stats["losses"][0]
-    evals = arith_examples("eval", 8, seed=0, max_digits=1)
-    assert 0.0 <= greedy_accuracy(model, tok, evals, max_new_tokens=20, batch_size=4) <= 1.0
-    assert 0.0 <= sampled_accuracy(model, tok, evals, max_new_tokens=20, batch_size=4) <= 1.0
 
 
 def test_warm_start_is_cached_and_loadable(tmp_path, tok):
     ws = WarmStartConfig(steps=2, batch_size=4, eval_size=4, cache_dir=str(tmp_path))
     path = warm_start(SMALL, ws, progress=False, max_digits=1)
     report = json.loads((Path(path) / "warm_start.json").read_text())
-    assert report["train_steps"] == 2 and 0.0 <= report["greedy_acc"] <= 1.0
+    assert report["train_steps"] == 2 and {"greedy_acc", "sampled_acc"} <= report.keys()
     mtime = (Path(path) / "warm_start.json").stat().st_mtime_ns
     assert warm_start(SMALL, ws, progress=False, max_digits=1) == path
     assert warm_start(SMALL, ws, progress=False, min_digits=1, max_digits=1, ops="+") == path

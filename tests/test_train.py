@@ -12,40 +12,10 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import FAST, ROOT, cli_env, compose, metric_rows, rlcli
 from omegaconf import OmegaConf
 
 pytestmark = pytest.mark.slow
-
-FAST = [
-    "model.warm_start.enabled=false",
-    "rollout.prompts_per_step=4",
-    "rollout.n=4",
-    "rollout.max_new_tokens=24",
-    "data.eval_size=8",
-    "+reward.weights.sevens=1.0",
-    "+reward.custom.sevens=reward_fixtures.count_sevens",
-    "optim.lr=1e-3",
-]
-
-
-def env(tmp_path):
-    return {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),
-        "RLCLI_CACHE": str(tmp_path / "cache"),
-        "OMP_NUM_THREADS": "1",
-    }
-
-
-def rlcli(tmp_path, *args, timeout=600):
-    out = subprocess.run(
-        [sys.executable, "-m", "rlcli.cli", *args], cwd=tmp_path, capture_output=True, text=True,
-        timeout=timeout, env=env(tmp_path),
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    return out
-
 
 @pytest.fixture(scope="module")
 def two_step_run(tmp_path_factory):
@@ -91,7 +61,8 @@ def test_run_dir_holds_resolved_config_and_wandb_offline_files(two_step_run):
     assert cfg.run_dir == str(run) and cfg.steps == 2 and cfg.reward.weights.sevens == 1.0
     assert list((run / "wandb").glob("offline-run-*")), "wandb offline run directory missing"
     result = json.loads((run / "result.json").read_text())
-    assert 0.0 <= result["eval_after"]["eval/acc"] <= 1.0
+    logged = next(r for r in metric_rows(run) if "eval/acc_after" in r)
+    assert result["eval_after"]["eval/acc"] == logged["eval/acc_after"]  # one evaluation, reported twice
 
 
 def test_saved_policy_reloads_and_generates(two_step_run):
@@ -105,7 +76,7 @@ def test_saved_policy_reloads_and_generates(two_step_run):
     ids = tok("Q: 12+7=?\nA:", return_tensors="pt", add_special_tokens=False)
     out = model.generate(**ids, max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
     assert out.shape[1] > ids["input_ids"].shape[1]
-    assert isinstance(tok.decode(out[0]), str)
+    assert tok.decode(out[0]).startswith("Q: 12+7=?\nA:")  # the prompt, then what the policy wrote
 
 
 def test_periodic_eval_uses_the_eval_code(two_step_run):
@@ -153,16 +124,9 @@ def test_cpu_x2_is_launched_by_rlcli_train(tmp_path):
 
 def one_update(tmp_path, name, nproc, extra=()):
     """The trainer's update on one fixed batch, in `nproc` processes; returns metrics and gradients."""
-    from conftest import CONF
-    from hydra import compose, initialize_config_dir
-
-    from rlcli.config import register_configs
     from rlcli.engine import free_port
 
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        cfg = compose("config", overrides=[*FAST, f"hw.nproc={nproc}", *extra])
-    cfg.run_dir = str(tmp_path / name)
+    cfg = compose(*FAST, f"hw.nproc={nproc}", *extra, run_dir=str(tmp_path / name))
     os.makedirs(cfg.run_dir, exist_ok=True)
     frozen = tmp_path / f"{name}.yaml"
     OmegaConf.save(cfg, frozen, resolve=True)
@@ -170,7 +134,7 @@ def one_update(tmp_path, name, nproc, extra=()):
     cmd = [sys.executable, script] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}", script]
     out = subprocess.run([*cmd, str(frozen), str(tmp_path / f"{name}.pt")], capture_output=True, text=True,
-                         timeout=600, env=env(tmp_path), cwd=tmp_path)
+                         timeout=600, env=cli_env(tmp_path), cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     return torch.load(tmp_path / f"{name}.pt")
 
@@ -246,11 +210,12 @@ def test_cpu_x2_dynamic_sampling_with_train_on_partial_never_deadlocks(tmp_path,
     Under ZeRO-3 every forward pass is a collective too: ranks carrying different numbers of groups still
     run the same old-log-prob passes."""
     run = tmp_path / "run"
-    rlcli(warm_cache_dir, "train", "hw=cpu_x2", f"hw.zero_stage={zero_stage}", "hw.collective_timeout_s=120", "algo=dapo",
-          "steps=2", "save=false", "eval.before=false",
-          "data.eval_size=4", "algo.filter_metric=score", "rollout.overlong_buffer_len=4",
-          "algo.max_gen_batches=1", "algo.train_on_partial=true", "rollout.prompts_per_step=16",
-          "rollout.gen_prompts_per_step=16", "rollout.n=2", "algo.mini_batches=2", f"hydra.run.dir={run}", *FAST[3:], timeout=300)
+    fast = [o for o in FAST if not o.startswith("model.warm_start")]  # the warm-started model
+    rlcli(warm_cache_dir, "train", *fast, "hw=cpu_x2", f"hw.zero_stage={zero_stage}", "hw.collective_timeout_s=120",
+          "algo=dapo", "steps=2", "save=false", "eval.before=false", "algo.filter_metric=score",
+          "rollout.overlong_buffer_len=4", "algo.max_gen_batches=1", "algo.train_on_partial=true",
+          "rollout.prompts_per_step=16", "rollout.gen_prompts_per_step=16", "rollout.n=2", "algo.mini_batches=2",
+          f"hydra.run.dir={run}", timeout=300)
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "actor/pg_loss" in r]
     assert [r["step"] for r in steps] == [1, 2]
@@ -284,7 +249,7 @@ def test_two_nodes_on_localhost_train_like_cpu_x2(tmp_path, x2_run):
     nodes = [subprocess.Popen(
         [sys.executable, "-m", "rlcli.cli", "train", "hw.nnodes=2", f"hw.node_rank={r}", "hw.master_addr=127.0.0.1",
          f"hw.master_port={port}", f"hydra.run.dir={tmp_path / 'nodes'}", "save=false", *COMMON_X2],
-        cwd=tmp_path, env=env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+        cwd=tmp_path, env=cli_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
     outs = [p.communicate(timeout=600)[0] for p in nodes]
     assert [p.returncode for p in nodes] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
     assert "world size 2" in outs[0] and "--nnodes=2 --node_rank=1" in outs[1]

@@ -6,17 +6,11 @@ import math
 
 import pytest
 import torch
-from conftest import CONF
-from hydra import compose, initialize_config_dir
 from metric_names import undocumented
 
 from rlcli.algos.advantages import AdvantageInputs, compute_advantages
 from rlcli.algos.config import AlgoConfig
 from rlcli.algos.functional import positive_example_nll
-from rlcli.config import register_configs, validate
-from rlcli.trainer import Trainer
-
-register_configs()
 
 
 def test_decoupled_length_adaptive_gae_hand_computed():
@@ -63,100 +57,74 @@ def test_positive_example_nll_touches_only_correct_responses():
     assert positive_example_nll(logp.detach(), mask, correct, num_tokens=10).item() == pytest.approx(1.5)
 
 
-def make(tmp_path, monkeypatch, *overrides):
-    monkeypatch.setenv("RLCLI_CACHE", str(tmp_path / "cache"))
-    with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        cfg = compose("config", overrides=[
-            "model.warm_start.enabled=false", "data.eval_size=4", "eval.before=false", "save=false",
-            "rollout.max_new_tokens=16", "hw.num_threads=1", "~reward.weights.math_verify", *overrides,
-        ])
-    cfg.run_dir = str(tmp_path / "run")
-    validate(cfg)
-    return Trainer(cfg)
-
-
 @pytest.mark.slow
-def test_value_pretraining_freezes_the_policy_trains_the_critic_and_ev_rises(tmp_path, monkeypatch):
+def test_value_pretraining_freezes_the_policy_trains_the_critic_and_ev_rises(make_trainer):
     """A reward predictable from the prompt (answer length / 4) over a fixed set of 8 prompts: the
     critic can learn V(prompt), so explained variance on each fresh batch (measured before that
     batch's update) rises. Measured 2026-11-22: 0.00 at step 1, ~0.18 at step 25 (critic lr 1e-3).
     1-3-digit problems, so answer lengths (1-4 characters) and hence rewards vary across prompts."""
-    t = make(tmp_path, monkeypatch, "algo=vapo", "algo.group_sampling=false", "data.train_size=8",
+    t = make_trainer("algo=vapo", "algo.group_sampling=false", "data.train_size=8",
              "data.min_digits=1", "data.max_digits=3",
              "rollout.prompts_per_step=8", "rollout.n=4", "critic.pretrain_steps=25", "critic.lr=1e-3",
-             "+reward.weights.d=1.0", "+reward.custom.d=reward_fixtures.answer_digits")
-    try:
-        policy = {n: p.detach().clone() for n, p in t.learner.actor.module.named_parameters()}
-        critic = {n: p.detach().clone() for n, p in t.learner.critic.module.named_parameters()}
-        evs = []
-        log = t.logger.log
-        t.logger.log = lambda m, step: (evs.append(m["pretrain/critic/explained_var"]), log(m, step))
-        out = t.pretrain_critic()
-        assert out["steps"] == 25 and len(evs) == 25
-        assert all(torch.equal(policy[n], p) for n, p in t.learner.actor.module.named_parameters())  # bit-identical
-        assert all(not torch.equal(critic[n], p) for n, p in t.learner.critic.module.named_parameters())
-        assert sum(evs[-3:]) / 3 > sum(evs[:3]) / 3 + 0.05, evs
-        assert t.state.sampler.carry is None
-    finally:
-        t.rewards.close()
+             "~reward.weights.sevens", "~reward.custom.sevens", "+reward.weights.d=1.0",
+             "+reward.custom.d=reward_fixtures.answer_digits")
+    policy = {n: p.detach().clone() for n, p in t.learner.actor.module.named_parameters()}
+    critic = {n: p.detach().clone() for n, p in t.learner.critic.module.named_parameters()}
+    evs = []
+    log = t.logger.log
+    t.logger.log = lambda m, step: (evs.append(m["pretrain/critic/explained_var"]), log(m, step))
+    out = t.pretrain_critic()
+    assert out["steps"] == 25 and len(evs) == 25
+    assert all(torch.equal(policy[n], p) for n, p in t.learner.actor.module.named_parameters())  # bit-identical
+    assert all(not torch.equal(critic[n], p) for n, p in t.learner.critic.module.named_parameters())
+    assert sum(evs[-3:]) / 3 > sum(evs[:3]) / 3 + 0.05, evs
+    assert t.state.sampler.carry is None
 
 
 @pytest.mark.slow
-def test_pretraining_stops_early_at_the_ev_threshold(tmp_path, monkeypatch):
-    t = make(tmp_path, monkeypatch, "algo=vapo", "rollout.prompts_per_step=4", "rollout.n=2",
-             "critic.pretrain_steps=5", "critic.pretrain_ev_threshold=-1.0",
-             "+reward.weights.sevens=1.0", "+reward.custom.sevens=reward_fixtures.count_sevens")
-    try:
-        assert t.pretrain_critic()["steps"] == 1  # any explained variance passes a threshold of -1
-    finally:
-        t.rewards.close()
+def test_pretraining_stops_early_at_the_ev_threshold(make_trainer):
+    t = make_trainer("algo=vapo", "rollout.prompts_per_step=4", "rollout.n=2",
+             "critic.pretrain_steps=5", "critic.pretrain_ev_threshold=-1.0")
+    assert t.pretrain_critic()["steps"] == 1  # any explained variance passes a threshold of -1
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("algo", ["ppo", "vapo"])
-def test_ppo_and_vapo_train_two_steps(algo, tmp_path, monkeypatch):
-    t = make(tmp_path, monkeypatch, f"algo={algo}", "rollout.prompts_per_step=4", "rollout.n=4", "steps=2",
-             "critic.pretrain_steps=2", "optim.lr=1e-3", "+reward.weights.sevens=1.0",
-             "+reward.custom.sevens=reward_fixtures.count_sevens")
-    try:
-        assert t.learner.critic is not None and (t.learner.ref is not None) == (t.cfg.algo.kl_coef > 0)
-        if algo == "vapo":
-            assert (t.units.P, t.units.G) == (4, 4)  # group sampling: P x G as configured (without it: 16 x 1)
-            t.pretrain_critic()
-        before = {n: p.detach().clone() for n, p in t.learner.actor.module.named_parameters()}
-        for step in (1, 2):
-            m = t.train_step(step)
-            assert all(math.isfinite(v) for v in m.values()), m
-            for k in ("critic/vf_loss", "critic/explained_var", "critic/values_mean", "critic/grad_norm",
-                      "actor/pg_loss", "actor/entropy"):
-                assert k in m, k
-            assert ("actor/nll_loss" in m) == (algo == "vapo")
-            assert not undocumented(m, reward_parts=("sevens",))
-        assert all(not torch.equal(before[n], p) for n, p in t.learner.actor.module.named_parameters())
-    finally:
-        t.rewards.close()
+def test_ppo_and_vapo_train_two_steps(algo, make_trainer):
+    t = make_trainer(f"algo={algo}", "rollout.prompts_per_step=4", "rollout.n=4", "steps=2",
+             "critic.pretrain_steps=2", "optim.lr=1e-3")
+    assert t.learner.critic is not None and (t.learner.ref is not None) == (t.cfg.algo.kl_coef > 0)
+    if algo == "vapo":
+        assert (t.units.P, t.units.G) == (4, 4)  # group sampling: P x G as configured (without it: 16 x 1)
+        t.pretrain_critic()
+    before = {n: p.detach().clone() for n, p in t.learner.actor.module.named_parameters()}
+    for step in (1, 2):
+        m = t.train_step(step)
+        assert all(math.isfinite(v) for v in m.values()), m
+        for k in ("critic/vf_loss", "critic/explained_var", "critic/values_mean", "critic/grad_norm",
+                  "actor/pg_loss", "actor/entropy"):
+            assert k in m, k
+        assert ("actor/nll_loss" in m) == (algo == "vapo")
+        assert not undocumented(m, reward_parts=("sevens",))
+    assert all(not torch.equal(before[n], p) for n, p in t.learner.actor.module.named_parameters())
 
 
 @pytest.mark.slow
-def test_value_pretraining_runs_the_score_stage_so_kl_in_the_reward_works(tmp_path, monkeypatch):
+def test_value_pretraining_runs_the_score_stage_so_kl_in_the_reward_works(make_trainer):
     """algo=ppo puts β·KL in the token rewards, which needs old and reference log-probs: pretraining used
     to skip the score stage and crash in kl_estimate(None, None). The policy must stay frozen and the
     β controller untouched (no policy update happened to adapt to)."""
-    t = make(tmp_path, monkeypatch, "algo=ppo", "algo.value_pretrain=true", "algo.kl_target=0.01",
-             "rollout.prompts_per_step=4", "rollout.n=2", "critic.pretrain_steps=2",
-             "+reward.weights.sevens=1.0", "+reward.custom.sevens=reward_fixtures.count_sevens")
-    try:
-        assert t.learner.ref is not None and t.cfg.algo.kl_in_reward and t.units.pretrain_steps == 2
-        policy = {n: p.detach().clone() for n, p in t.learner.actor.module.named_parameters()}
-        beta = t.state.kl_ctl.value
-        out = t.pretrain_critic()
-        assert out["steps"] == 2 and math.isfinite(out["vf_loss"])
-        assert all(torch.equal(policy[n], p) for n, p in t.learner.actor.module.named_parameters())
-        assert t.state.kl_ctl.value == beta
-        m = t.train_step(1)
-        assert t.state.kl_ctl.value != beta and m["actor/kl_coef"] == t.state.kl_ctl.value  # the step itself adapts β
-    finally:
-        t.rewards.close()
+    t = make_trainer("algo=ppo", "algo.value_pretrain=true", "algo.kl_target=0.01",
+             "rollout.prompts_per_step=4", "rollout.n=2", "critic.pretrain_steps=2")
+    assert t.learner.ref is not None and t.cfg.algo.kl_in_reward and t.units.pretrain_steps == 2
+    policy = {n: p.detach().clone() for n, p in t.learner.actor.module.named_parameters()}
+    beta = t.state.kl_ctl.value
+    out = t.pretrain_critic()
+    assert out["steps"] == 2 and math.isfinite(out["vf_loss"])
+    assert all(torch.equal(policy[n], p) for n, p in t.learner.actor.module.named_parameters())
+    assert t.state.kl_ctl.value == beta
+    m = t.train_step(1)
+    assert t.state.kl_ctl.value != beta and m["actor/kl_coef"] == t.state.kl_ctl.value  # the step itself adapts β
 
 
 def test_explained_variance_of_constant_returns_is_zero_not_one():
@@ -170,35 +138,27 @@ def test_explained_variance_of_constant_returns_is_zero_not_one():
 
 
 @pytest.mark.slow
-def test_critic_schedule_spans_pretraining_and_every_epoch(tmp_path, monkeypatch):
+def test_critic_schedule_spans_pretraining_and_every_epoch(make_trainer):
     """The critic steps once per mini-batch and epoch, in pretraining too: with 2 epochs, 1 mini-batch,
     3 steps and 2 pretraining steps that is 3·2 + 2·2 = 10 optimizer steps. A cosine schedule sized for
     fewer (the old 3·2 + 2·1 = 8) would reach lr 0 two steps early."""
-    t = make(tmp_path, monkeypatch, "algo=vapo", "steps=3", "algo.ppo_epochs=2", "critic.pretrain_steps=2",
-             "optim.scheduler=cosine", "rollout.prompts_per_step=2", "rollout.n=2",
-             "+reward.weights.sevens=1.0", "+reward.custom.sevens=reward_fixtures.count_sevens")
-    try:
-        lam = t.learner.critic.scheduler.lr_lambdas[0]
-        assert lam(9) > 0 and lam(10) == pytest.approx(0.0, abs=1e-12)
-        assert t.learner.actor.scheduler.lr_lambdas[0](5) > 0 and t.learner.actor.scheduler.lr_lambdas[0](6) == pytest.approx(0.0)
-    finally:
-        t.rewards.close()
+    t = make_trainer("algo=vapo", "steps=3", "algo.ppo_epochs=2", "critic.pretrain_steps=2",
+             "optim.scheduler=cosine", "rollout.prompts_per_step=2", "rollout.n=2")
+    lam = t.learner.critic.scheduler.lr_lambdas[0]
+    assert lam(9) > 0 and lam(10) == pytest.approx(0.0, abs=1e-12)
+    assert t.learner.actor.scheduler.lr_lambdas[0](5) > 0 and t.learner.actor.scheduler.lr_lambdas[0](6) == pytest.approx(0.0)
 
 
 @pytest.mark.slow
-def test_value_pretraining_skips_policy_log_probs_it_does_not_use(tmp_path, monkeypatch):
+def test_value_pretraining_skips_policy_log_probs_it_does_not_use(make_trainer, monkeypatch):
     """Off-policy VAPO (2 mini-batches) without KL: pretraining never updates the policy and has no KL
     penalty, so it must not spend a policy forward pass on old log-probs (one per step at 32B scale)."""
-    t = make(tmp_path, monkeypatch, "algo=vapo", "algo.mini_batches=2", "rollout.prompts_per_step=4",
-             "rollout.n=2", "critic.pretrain_steps=2", "+reward.weights.sevens=1.0",
-             "+reward.custom.sevens=reward_fixtures.count_sevens")
-    try:
-        assert not t.units.on_policy and t.learner.ref is None
-        calls = []
-        logprobs = t.learner.logprobs
-        monkeypatch.setattr(t.learner, "logprobs", lambda *a: (calls.append(1), logprobs(*a))[1])
-        assert t.pretrain_critic()["steps"] == 2 and calls == []
-        t.train_step(1)
-        assert calls, "the actor's update does need them"
-    finally:
-        t.rewards.close()
+    t = make_trainer("algo=vapo", "algo.mini_batches=2", "rollout.prompts_per_step=4",
+             "rollout.n=2", "critic.pretrain_steps=2")
+    assert not t.units.on_policy and t.learner.ref is None
+    calls = []
+    logprobs = t.learner.logprobs
+    monkeypatch.setattr(t.learner, "logprobs", lambda *a: (calls.append(1), logprobs(*a))[1])
+    assert t.pretrain_critic()["steps"] == 2 and calls == []
+    t.train_step(1)
+    assert calls, "the actor's update does need them"

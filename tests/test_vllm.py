@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from conftest import CONF
+from conftest import FAST, compose, metric_rows, policy_tensors, rlcli, stable
 
 from rlcli.models import response_logprobs
 from rlcli.models.config import TinyModelConfig
@@ -20,17 +20,6 @@ pytest.importorskip("vllm", reason="the vLLM tests need the CPU build: pip insta
 pytestmark = pytest.mark.slow
 
 PROMPTS = ["Q: 313+897=?\nA:", "Q: 1+2=?\nA:", "Q: 45+6=?\nA:", "Q: 7+80=?\nA:"]  # left padding differs
-
-
-def compose(*overrides):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    from rlcli.config import register_configs
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        return hydra_compose("config", overrides=list(overrides))
 
 
 @pytest.fixture(scope="module")
@@ -124,14 +113,11 @@ def test_grpo_trains_resumes_and_evaluates_with_vllm_like_hf(tmp_path):
     the model path, the checkpoint's weights pushed into it, the torch RNG its seeds come from restored) is
     bit-identical to the straight run, metrics and final weights. Then `rlcli eval` of the saved policy,
     greedy, gives exactly the same accuracy from exactly the same responses with either engine."""
-    from test_checkpoint import policy_tensors, rows, stable
-    from test_train import FAST, rlcli
-
     args = ["rollout.engine=vllm", "eval.before=false", *FAST]
     straight, run = tmp_path / "straight", tmp_path / "run"
     out = rlcli(tmp_path, "train", "steps=4", "checkpoint.every=0", f"hydra.run.dir={straight}", *args)
     assert "held-out accuracy after training" in out.stdout
-    steps = [r for r in stable(rows(straight)) if "actor/pg_loss" in r]
+    steps = [r for r in stable(metric_rows(straight)) if "actor/pg_loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     for r in steps:
         assert r["rollout_corr/logp_diff_mean"] < 1e-3 and r["rollout_corr/logp_diff_max"] < 2e-2, r
@@ -140,14 +126,14 @@ def test_grpo_trains_resumes_and_evaluates_with_vllm_like_hf(tmp_path):
     rlcli(tmp_path, "train", "steps=2", f"hydra.run.dir={run}", *args)
     out = rlcli(tmp_path, "train", "steps=4", "resume=auto", f"hydra.run.dir={run}", *args)
     assert "2 of 4 steps done" in out.stdout
-    assert [r for r in stable(rows(run)) if "actor/pg_loss" in r] == steps
+    assert [r for r in stable(metric_rows(run)) if "actor/pg_loss" in r] == steps
     a, b = policy_tensors(straight), policy_tensors(run)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
     acc = {}
     for engine in ("hf", "vllm"):
         rlcli(tmp_path, "eval", f"model.path={straight / 'policy'}", f"rollout.engine={engine}", "eval.temperature=0",
-              "eval.k=1", f"hydra.run.dir={tmp_path / engine}", *FAST[1:])
+              "eval.k=1", f"hydra.run.dir={tmp_path / engine}", *FAST, "data.eval_size=8")
         summary = json.loads((tmp_path / engine / "eval_summary.json").read_text())
         per_prompt = [json.loads(x) for x in (tmp_path / engine / "eval_per_prompt.jsonl").read_text().splitlines()]
         acc[engine] = summary["eval/acc"], [p["responses"] for p in per_prompt]
@@ -158,8 +144,6 @@ def test_dapo_dynamic_sampling_on_two_zero3_ranks_with_vllm(tmp_path):
     """hw=cpu_x2 at ZeRO-3: each rank its own engine, fed after every step with the whole weights gathered
     from both ranks' partitions one tensor at a time (the tied lm_head under its own name too), with DAPO's
     dynamic sampling (several generation batches, the carry)."""
-    from test_train import FAST, rlcli
-
     run = tmp_path / "run"
     rlcli(tmp_path, "train", "hw=cpu_x2", "hw.zero_stage=3", "hw.collective_timeout_s=120", "algo=dapo", "steps=3", "save=false", "eval.before=false",
           "rollout.engine=vllm", "rollout.gen_prompts_per_step=8", "algo.filter_metric=score", f"hydra.run.dir={run}", *FAST)

@@ -120,6 +120,15 @@ class RewardManager:
         metrics["reward/restarts"] = float(self.pool.restarts - restarts)
         return RewardOutput(score=score, acc=acc_t, parts=parts, metrics=metrics)
 
+    def reward_batch(self, b: Any) -> tuple[Any, dict[str, float]]:
+        """Stage 2 of the loop on a RolloutBatch `b`: -> (`b` with its task reward `scores` [N], correctness
+        `acc` [N] and each reward function's part `extras["reward/<name>"]` [N]; the verifier's
+        timeout/error/restart counts, which add up over generation batches and ranks)."""
+        out = self(b.texts, b.answers)
+        extras = {f"reward/{k}": v for k, v in out.parts.items()}
+        counts = {f"reward/{k}": out.metrics[f"reward/{k}"] for k in ("timeouts", "errors", "restarts")}
+        return b.replace(scores=out.score.clone(), acc=out.acc, extras=extras), counts
+
     def _log_once(self, message: str) -> None:
         key = message.split(":", 2)[:2]  # status/part and exception type
         if str(key) not in self._logged:

@@ -24,7 +24,7 @@ def main() -> None:
     torch.manual_seed(1234)
     prompts = t.state.prompts.examples[: r.prompts_per_step]
     b = t.rollout.generate([p["prompt"] for p in prompts], [p["answer"] for p in prompts], r.n, Sampling.of_rollout(r))
-    b, reward_counts = t.reward(b)
+    b, reward_counts = t.rewards.reward_batch(b)
     b, _ = shape(b, cfg.algo, r)
     b = b.select_groups(b.groups[t.rank :: t.units.world])  # this rank's share of whole groups
     phase = rl_phase(cfg)
