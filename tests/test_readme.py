@@ -33,3 +33,31 @@ def test_no_process_words_in_the_user_facing_text():
     hits = [f"{p.name}:{i}: {line.strip()}" for p in pages
             for i, line in enumerate(p.read_text().splitlines(), 1) if process.search(line)]
     assert not hits, "\n".join(hits)
+
+
+def test_the_resume_may_change_list_is_the_codes():
+    """README "Checkpoints and resume" lists exactly checkpoint.MAY_CHANGE and MAY_CHANGE_GROUPS."""
+    from rlcli.checkpoint import MAY_CHANGE, MAY_CHANGE_GROUPS
+
+    section = README[README.index("- Keys that may change"):]
+    section = section[: section.index("- `hw.nproc` and `hw.zero_stage` may not change")]
+    listed = set(re.findall(r"`([a-z_]+(?:\.[a-z_]+)*(?:\.\*)?)`", section)) - {"optim.scheduler"}
+    code = set(MAY_CHANGE) | {g + "*" for g in MAY_CHANGE_GROUPS}
+    assert listed == code, listed ^ code
+
+
+def test_the_group_order_and_the_stages_are_the_codes():
+    """The group order the README states is conf/config.yaml's; the stages the design page lists are the
+    loop's timed stages."""
+    from omegaconf import OmegaConf
+
+    defaults = OmegaConf.load(ROOT / "conf" / "config.yaml").defaults
+    groups = [next(iter(d)) for d in defaults if not isinstance(d, str)]
+    stated = re.search(r"Group order in `conf/config.yaml` is `([^`]+)`", README).group(1).split(", ")
+    assert stated == groups
+    loop = (ROOT / "rlcli" / "trainer.py").read_text()
+    timed = re.findall(r'timer\("(\w+)"\)', loop)
+    design = (ROOT / "docs" / "design.md").read_text()
+    assert set(timed) == {"rollout", "reward", "shape", "score", "advantage", "update", "sync"}
+    missing = [stage for stage in timed if f"**{stage}**" not in design]
+    assert not missing, missing
