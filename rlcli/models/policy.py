@@ -187,7 +187,7 @@ def logits_chunk_for(model: torch.nn.Module, chunk: int) -> tuple[int, str]:
         structural = False
     if not structural:
         return 0, "whole sequence: the model exposes no decoder/output embedding to chunk"
-    vocab = model.get_output_embeddings().weight.shape[0] if hasattr(model.get_output_embeddings(), "weight") else 2
+    vocab = model.config.vocab_size  # not the head's shape: under ZeRO-3 that is a placeholder of size 0
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(min(vocab, 1000), (2, 16), generator=g)  # [2, 16]: 6 prompt + 10 response tokens
     ones = torch.ones_like(ids)
