@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from rlcli.batch import RolloutBatch
+from rlcli.models import eval_mode
 from rlcli.rollout.sampling import Sampling
 
 
@@ -118,10 +119,8 @@ def generate(
     prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, n)  # [P*G, Tp] each
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     config = sampling_config(max_new_tokens, temperature, top_p, top_k, eos, pad)
-    was_training = model.training
-    model.eval()
     chunks, logp_chunks = [], []
-    with own_generation_config(model):
+    with eval_mode(model), own_generation_config(model):
         for s in range(0, prompt_ids.shape[0], batch_size):
             ids = prompt_ids[s : s + batch_size].to(device)
             am = prompt_mask[s : s + batch_size].to(device)
@@ -132,7 +131,6 @@ def generate(
             if with_logprobs:
                 scores = torch.stack(out.scores, 1).float()  # [b, t, V] processed logits that were sampled from
                 logp_chunks.append(torch.log_softmax(scores, -1).gather(-1, new[..., None]).squeeze(-1).cpu())
-    model.train(was_training)
     t = max(c.shape[1] for c in chunks)
     response_ids = torch.cat(
         [torch.nn.functional.pad(c, (0, t - c.shape[1]), value=pad) for c in chunks]
