@@ -100,6 +100,11 @@ def train_job(cfg: Any) -> dict[str, Any] | None:
         from rlcli.trainer import Trainer
 
         return Trainer(cfg).fit()
+    # Work one rank would do alone (the tiny model's warm start, a model conversion) happens here, before the
+    # workers start: they then read the cache, and no rank waits for it under hw.collective_timeout_s.
+    from rlcli.models import resolve_model_path
+
+    resolve_model_path(cfg.model, cfg.data)
     return launch(frozen, cfg.hw)
 
 

@@ -153,6 +153,9 @@ class OptimConfig:
     """transformers.get_scheduler name: constant_with_warmup | cosine | linear."""
     max_grad_norm: float = 1.0
     """Global gradient-norm clip (docs/design.md#conventions); steps with a non-finite norm are skipped."""
+    max_skipped_steps: int = 5
+    """Stop the run with an error after this many training steps in a row whose every actor optimizer step was
+    skipped (non-finite gradient norm): a run that only produces NaN or inf trains nothing."""
 
 
 @dataclass
@@ -417,6 +420,7 @@ def validate(cfg: DictConfig | Any) -> None:
         ("hw.collective_timeout_s", hw.collective_timeout_s, 1),
         ("hw.shutdown_timeout_s", hw.shutdown_timeout_s, 0),
         ("hw.nproc", hw.nproc, 1),
+        ("optim.max_skipped_steps", cfg.optim.max_skipped_steps, 1),
         ("hw.nnodes", hw.nnodes, 1),
     ):
         if value < low:

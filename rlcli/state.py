@@ -14,6 +14,13 @@ from rlcli.data import PromptStream
 from rlcli.rollout.sampler import GroupSampler
 
 
+HEADLINE = ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "reward/mean", "acc/mean")
+
+
+class NonFiniteTraining(RuntimeError):
+    """Training produced only non-finite gradients for optim.max_skipped_steps steps in a row."""
+
+
 @dataclass
 class LoopState:
     prompts: PromptStream
@@ -30,12 +37,34 @@ class LoopState:
     """Seconds spent in value pretraining and training steps (not evaluation)."""
     result: dict[str, Any] = field(default_factory=dict)
     """What the run reports at the end (held-out accuracy before training, value pretraining, ...)."""
+    skipped_in_a_row: int = 0
+    """Training steps in a row whose every actor optimizer step was skipped (non-finite gradient norm)."""
+    last_finite: dict[str, float] = field(default_factory=dict)
+    """Headline metrics of the last step that applied an update (for the error when updates stop)."""
+
+    def end_step(self, step: int, metrics: dict[str, float], optimizer_steps: int, max_skipped: int) -> None:
+        """Record training step `step` done; raise NonFiniteTraining after `max_skipped` steps in a row that
+        skipped all `optimizer_steps` of their actor updates."""
+        self.step = step
+        if metrics.get("actor/skipped_steps", 0.0) < optimizer_steps:
+            self.skipped_in_a_row = 0
+            self.last_finite = {k: metrics[k] for k in HEADLINE if k in metrics} | {"step": step}
+            return
+        self.skipped_in_a_row += 1
+        if self.skipped_in_a_row >= max_skipped:
+            raise NonFiniteTraining(
+                f"step {step}: {self.skipped_in_a_row} training steps in a row had a non-finite gradient norm on "
+                f"every optimizer step (optim.max_skipped_steps={max_skipped}), so nothing was trained. Last step "
+                f"with an update: {self.last_finite or 'none'}. Lower optim.lr, check the reward for inf, or try "
+                "hw.precision=fp32"
+            )
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "step": self.step, "next_group": self.next_group, "train_seconds": self.train_seconds,
             "result": self.result, "prompts": self.prompts.state_dict(), "carry": self.sampler.carry,
-            "kl_coef": self.kl_ctl.value, "rng": rng_state(),
+            "kl_coef": self.kl_ctl.value, "rng": rng_state(), "skipped_in_a_row": self.skipped_in_a_row,
+            "last_finite": self.last_finite,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -45,6 +74,7 @@ class LoopState:
         self.prompts.load_state_dict(state["prompts"])
         self.sampler.carry = state["carry"]
         self.kl_ctl.value = state["kl_coef"]
+        self.skipped_in_a_row, self.last_finite = state["skipped_in_a_row"], state["last_finite"]
         set_rng_state(state["rng"])
 
 

@@ -108,7 +108,7 @@ class Trainer:
                     e.add_note(f"rank {self.rank} of {self.units.world}: training step {step}, in or after stage "
                                f"{self.timer.stage}")
                     raise
-                s.step = step
+                s.end_step(step, metrics, cfg.algo.mini_batches * cfg.algo.ppo_epochs, cfg.optim.max_skipped_steps)
                 if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.steps:
                     metrics.update(self.evaluate())
                 self.logger.log(metrics, step)

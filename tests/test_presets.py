@@ -121,3 +121,27 @@ def test_rollout_correction_weights_the_loss_by_trainer_over_sampler(make_traine
     m = t.learner.update(batch, phase)
     assert m["actor/pg_loss"] == pytest.approx(float(want), rel=1e-4, abs=1e-6)
     assert m["rollout_corr/weight_mean"] == pytest.approx(float(masked_mean(w, mask)), rel=1e-4)
+
+
+def test_a_run_whose_loss_is_never_finite_stops_naming_the_step(make_trainer, monkeypatch):
+    """Every step's loss forced to NaN: each optimizer step is skipped (never applied), and after
+    optim.max_skipped_steps steps in a row the run stops with an error that names the step and the last
+    step that did update, instead of training on."""
+    from rlcli.state import NonFiniteTraining
+
+    t = make_trainer("steps=10", "optim.max_skipped_steps=3", "save=false", "checkpoint.every=0")
+    micro_loss = t.learner.micro_loss
+    calls = []
+
+    def poisoned(mb, norms):  # step 1 trains normally, every later loss is NaN
+        loss, m = micro_loss(mb, norms)
+        return (loss * float("nan") if t.state.step >= 1 else loss), m
+
+    monkeypatch.setattr(t.learner, "micro_loss", lambda *a: (calls.append(1), poisoned(*a))[1])
+    before = {n: p.detach().clone() for n, p in t.learner.actor.module.named_parameters()}
+    with pytest.raises(NonFiniteTraining, match=r"step 4: 3 training steps in a row.*'step': 1"):
+        t.fit()
+    assert t.state.step == 4 and len(calls) == 4
+    params = dict(t.learner.actor.module.named_parameters())
+    assert any(not torch.equal(before[n], p) for n, p in params.items())  # step 1 applied its update
+    assert all(torch.isfinite(p).all() for p in params.values())  # no NaN step was applied

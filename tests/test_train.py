@@ -211,7 +211,7 @@ def test_cpu_x2_dynamic_sampling_with_train_on_partial_never_deadlocks(tmp_path,
     run the same old-log-prob passes."""
     run = tmp_path / "run"
     fast = [o for o in FAST if not o.startswith("model.warm_start")]  # the warm-started model
-    rlcli(warm_cache_dir, "train", *fast, "hw=cpu_x2", f"hw.zero_stage={zero_stage}", "hw.collective_timeout_s=120",
+    out = rlcli(warm_cache_dir, "train", *fast, "hw=cpu_x2", f"hw.zero_stage={zero_stage}", "hw.collective_timeout_s=120",
           "algo=dapo", "steps=2", "save=false", "eval.before=false", "algo.filter_metric=score",
           "rollout.overlong_buffer_len=4", "algo.max_gen_batches=1", "algo.train_on_partial=true",
           "rollout.prompts_per_step=16", "rollout.gen_prompts_per_step=16", "rollout.n=2", "algo.mini_batches=2",
@@ -222,6 +222,9 @@ def test_cpu_x2_dynamic_sampling_with_train_on_partial_never_deadlocks(tmp_path,
     for r in steps:
         assert r["dynamic_sampling/gen_batches"] == 1 and 0 < r["dynamic_sampling/kept_fraction"] < 1
         assert r["actor/grad_norm"] > 0
+    # The warm start (2 minutes on a cold cache) is built by the launcher before the workers start: both
+    # ranks find it cached, so neither waits for the other under hw.collective_timeout_s.
+    assert (out.stdout + out.stderr).count("warm start: cache hit") >= 2, out.stderr[-3000:]
 
 
 COMMON_X2 = ["steps=3", "eval.before=false", "hw.num_threads=1", "hw.micro_batch=64", *FAST]
