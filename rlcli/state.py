@@ -13,7 +13,6 @@ import torch
 from rlcli.data import PromptStream
 from rlcli.rollout.sampler import GroupSampler
 
-
 HEADLINE = ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "reward/mean", "acc/mean")
 
 
