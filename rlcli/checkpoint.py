@@ -36,6 +36,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from rlcli.schema import rng
+
 LATEST = "latest"
 
 # Keys a resumed run may change (exact keys, and groups by prefix); every other key must equal the
@@ -59,11 +61,11 @@ STEP_DIR = re.compile(r"step_(\d+)")
 
 @dataclass
 class CheckpointConfig:
-    every: int = 20
+    every: int = rng(20, ge=0, why="0 = only when stopped by a signal")
     """Write a checkpoint every this many training steps and at the last one (0 = only when stopped by
     SIGTERM/SIGINT). 20 suits models up to ~1B, whose checkpoint costs seconds; model=qwen2.5-32b sets 5
     (README, "Checkpoints and resume")."""
-    keep_last: int = 2
+    keep_last: int = rng(2, ge=1)
     """Checkpoints kept in run_dir/checkpoints; an older one is deleted only after a newer one is complete."""
 
 
