@@ -26,7 +26,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -578,11 +577,7 @@ def main(argv: list[str]) -> int:
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         cfg = compose("config", overrides=argv)
-    try:
-        validate(cfg)
-    except ValueError as e:
-        print(f"rlcli plan: {e}", file=sys.stderr)
-        return 2
+    validate(cfg)  # a ConfigError: rlcli's one-line error, exit status 2 (rlcli.cli.main)
     plan = estimate(cfg)
     print(render(cfg, plan))
     return 0 if plan.fits is not False else 1
