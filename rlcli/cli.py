@@ -278,7 +278,7 @@ def _user_error(message: str, debug: bool) -> None:
 
     if debug and sys.exc_info()[0] is not None and not isinstance(sys.exc_info()[1], SystemExit):
         traceback.print_exc()
-    print(f"rlcli: error: {' '.join(message.split()) if not debug else message}", file=sys.stderr, flush=True)
+    print(f"rlcli: error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(2)
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -540,8 +541,11 @@ def check_fits(cfg: Any) -> None:
         return
     plan = estimate(cfg)
     if plan.fits is False:
-        raise SystemExit(
-            f"{render(cfg, plan)}\n\nrlcli train: the estimated peak memory per device, {plan.peak / GIB:.2f} GiB, "
+        print(render(cfg, plan) + "\n", file=sys.stderr, flush=True)  # the breakdown and the fixes, then the error
+        from rlcli.schema import ConfigError
+
+        raise ConfigError(
+            f"the estimated peak memory per device, {plan.peak / GIB:.2f} GiB, "
             f"exceeds the device's {plan.device / GIB:.2f} GiB ({plan.device_note}). Apply one of the changes "
             "above; or set hw.device_memory_gb if the device has more; or hw.check_memory=false to train anyway "
             "(docs/memory.md explains the estimate)."
