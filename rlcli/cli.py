@@ -85,6 +85,7 @@ def train_job(cfg: Any) -> dict[str, Any] | None:
     _run_dir(cfg)
     validate(cfg)
     check_fits(cfg)  # the memory estimate (`rlcli plan`), before anything is loaded
+    checkpoint.check_space(cfg)  # room for one checkpoint, before anything is loaded
     resume = checkpoint.resolve(cfg.resume, cfg.run_dir)
     if resume is not None:
         checkpoint.check_compatible(resume, cfg)
@@ -99,7 +100,8 @@ def train_job(cfg: Any) -> dict[str, Any] | None:
     if cfg.hw.nproc * cfg.hw.nnodes == 1:
         from rlcli.trainer import Trainer
 
-        return Trainer(cfg).fit()
+        with checkpoint.stop_on_disk_full(cfg):
+            return Trainer(cfg).fit()
     return launch(frozen, cfg.hw)
 
 
