@@ -6,6 +6,8 @@ straight one (tests/test_checkpoint.py):
     run_dir/checkpoints/
       latest              "step_N": written last, so it always names a complete checkpoint
       step_N/
+        manifest.json     every other file's size and SHA-256, written by `commit` after all ranks wrote theirs;
+                          resume verifies it before loading (a truncated or bit-flipped file is named)
         meta.json         step, world size, wandb run id, what resume needs to know
         config.yaml       the frozen config of the run that wrote it (checked on resume)
         metrics.jsonl     the run's metric rows up to step N (a resumed run continues from exactly these)
@@ -20,10 +22,19 @@ written to `.step_N.tmp/` by all ranks and renamed by rank 0 once every rank has
 replaced after the rename and older checkpoints beyond `keep_last` are deleted after that, so a crash or
 SIGKILL at any moment leaves the previous checkpoint usable. Multi-node runs need `run_dir` on a shared
 file system (DeepSpeed's requirement too).
+
+Damage after the fact (a failed copy, a bad disk, a full quota) is caught by the manifest: `resume=auto` skips a
+damaged checkpoint with a warning naming the file and takes the newest intact one; an explicit `resume=<dir>`
+that is damaged fails naming the file; `keep_last` never deletes the newest intact checkpoint. A disk that fills
+up while saving (ENOSPC) leaves the previous checkpoint and `latest` as they were, removes the partial
+`.step_N.tmp`, and stops the run with the space a checkpoint needs (`stop_on_disk_full`): continuing without
+checkpoints would risk hours of training that no later failure could get back.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
 import re
@@ -31,11 +42,15 @@ import shlex
 import shutil
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from rlcli.schema import ConfigError, rng
+
 LATEST = "latest"
+MANIFEST = "manifest.json"
 
 # Keys a resumed run may change (exact keys, and groups by prefix); every other key must equal the
 # checkpoint's. They do not change the math of the steps that follow, with one exception: `steps` may grow
@@ -58,12 +73,16 @@ STEP_DIR = re.compile(r"step_(\d+)")
 
 @dataclass
 class CheckpointConfig:
-    every: int = 20
+    every: int = rng(20, ge=0, why="0 = only when stopped by a signal")
     """Write a checkpoint every this many training steps and at the last one (0 = only when stopped by
     SIGTERM/SIGINT). 20 suits models up to ~1B, whose checkpoint costs seconds; model=qwen2.5-32b sets 5
     (README, "Checkpoints and resume")."""
-    keep_last: int = 2
-    """Checkpoints kept in run_dir/checkpoints; an older one is deleted only after a newer one is complete."""
+    keep_last: int = rng(2, ge=1)
+    """Checkpoints kept in run_dir/checkpoints; an older one is deleted only after a newer one is complete, and
+    the newest intact one never."""
+    check_space: bool = True
+    """`rlcli train` first checks that run_dir's file system has room for one checkpoint (estimated from the
+    model and the optimizer) and refuses the run before loading anything; false = skip the check."""
 
 
 def root(run_dir: str) -> str:
@@ -87,29 +106,114 @@ def done_steps(run_dir: str) -> list[int]:
 
 
 def resolve(resume: str | None, run_dir: str) -> str | None:
-    """The checkpoint directory `resume=` names: auto -> run_dir's latest, else the checkpoint the run
-    itself was resumed from (its config.yaml says), else None (start fresh); a checkpoint directory; or a
-    run directory (its latest)."""
+    """The checkpoint directory `resume=` names, verified against its manifest: auto -> run_dir's newest intact
+    checkpoint (from `latest` down; a damaged one is skipped with a warning naming the file), else the checkpoint
+    the run itself was resumed from (its config.yaml says), else None (start fresh); a checkpoint directory, or a
+    run directory (its latest), which must be intact. Raises ConfigError naming the damaged file."""
     if resume is None:
         return None
     if resume == "auto":
         frozen = os.path.join(run_dir, "config.yaml")
-        if latest(run_dir) is None and os.path.exists(frozen):  # a branch killed before its first save
+        if not done_steps(run_dir) and os.path.exists(frozen):  # a branch killed before its first save
             from omegaconf import OmegaConf
 
             origin = OmegaConf.load(frozen).get("resume")
-            return origin if origin and os.path.exists(os.path.join(origin, "meta.json")) else None
-        return latest(run_dir)
+            if not origin or not os.path.exists(os.path.join(origin, "meta.json")):
+                return None
+            return _intact(origin, f"resume=auto (the checkpoint {run_dir} was started from)")
+        return newest_intact(run_dir)
     path = os.path.abspath(resume)
     if os.path.exists(os.path.join(path, "meta.json")):
-        return path
+        return _intact(path, f"resume={resume}")
     found = latest(path)
     if found is None:
-        raise ValueError(
+        raise ConfigError(
             f"resume={resume}: neither a checkpoint (a directory run/checkpoints/step_N with meta.json) nor a run "
             "directory with checkpoints/latest; use resume=auto with hydra.run.dir=<the run> to continue a run"
         )
-    return found
+    return _intact(found, f"resume={resume}")
+
+
+def _intact(path: str, what: str) -> str:
+    problem = damage(path)
+    if problem:
+        raise ConfigError(f"{what}: the checkpoint {path} is damaged: {problem}. Resume from an earlier checkpoint "
+                          f"(resume=<run>/checkpoints/step_N), or use resume=auto, which skips damaged ones")
+    return path
+
+
+def newest_intact(run_dir: str) -> str | None:
+    """The newest intact checkpoint of run_dir, from the one `latest` names down; None if it has none. Warns on
+    stderr about each damaged one it skips; raises ConfigError if every checkpoint is damaged."""
+    steps = done_steps(run_dir)
+    pointed = latest(run_dir)
+    if pointed is not None:  # later ones are left over from before a resume from an earlier step
+        top = int(STEP_DIR.fullmatch(os.path.basename(pointed)).group(1))  # type: ignore[union-attr]
+        steps = [s for s in steps if s <= top]
+    skipped = []
+    for step in reversed(steps):
+        path = os.path.join(root(run_dir), f"step_{step}")
+        problem = damage(path)
+        if problem is None:
+            for bad in skipped:
+                to_stderr(f"rlcli: warning: {bad}; resuming from step_{step}, the newest intact checkpoint")
+            return path
+        skipped.append(f"checkpoint step_{step} is damaged, skipped: {problem}")
+    if skipped:
+        raise ConfigError(f"no intact checkpoint in {root(run_dir)}: {'; '.join(skipped)}. Move the run directory "
+                          "aside and start a new run, or resume=<another run>")
+    return None
+
+
+def file_digest(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def write_manifest(directory: str) -> None:
+    """directory/manifest.json: size and SHA-256 of every file below it, written to a temp name and synced."""
+    files = {}
+    for top, _, names in os.walk(directory):
+        for name in names:
+            full = os.path.join(top, name)
+            rel = os.path.relpath(full, directory)
+            if rel not in (MANIFEST, MANIFEST + ".tmp"):
+                files[rel] = {"size": os.path.getsize(full), "sha256": file_digest(full)}
+    target = os.path.join(directory, MANIFEST)
+    with open(target + ".tmp", "w") as f:
+        json.dump({"files": dict(sorted(files.items()))}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(target + ".tmp", target)
+
+
+def damage(path: str, deep: bool = True) -> str | None:
+    """None if the checkpoint at `path` matches its manifest, else what is wrong, naming the file. deep=False
+    compares sizes only (no reading). A checkpoint without a manifest (written before rlcli had them) passes
+    with a warning: nothing can be checked."""
+    manifest = os.path.join(path, MANIFEST)
+    if not os.path.exists(manifest):
+        if os.path.exists(os.path.join(path, "meta.json")):
+            if deep:
+                to_stderr(f"rlcli: warning: {path} has no {MANIFEST} (written before rlcli verified checkpoints): "
+                          "loading it unverified")
+            return None
+        return f"{os.path.join(path, 'meta.json')} is missing"
+    try:
+        with open(manifest) as f:
+            files = json.load(f)["files"]
+    except (OSError, ValueError, KeyError) as e:
+        return f"{manifest} is unreadable ({e})"
+    for rel, want in files.items():
+        full = os.path.join(path, rel)
+        if not os.path.exists(full):
+            return f"{full} is missing"
+        size = os.path.getsize(full)
+        if size != want["size"]:
+            return f"{full} has {size} bytes, the manifest says {want['size']} (truncated or overwritten)"
+        if deep and file_digest(full) != want["sha256"]:
+            return f"{full} does not match its SHA-256 in the manifest (its bytes changed since it was written)"
+    return None
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -171,6 +275,7 @@ def commit(run_dir: str, step: int, keep_last: int, rank: int, barrier: Any) -> 
     barrier()
     final = os.path.join(root(run_dir), f"step_{step}")
     if rank == 0:
+        write_manifest(os.path.join(root(run_dir), f".step_{step}.tmp"))  # every rank's files are in it now
         if os.path.exists(final):  # re-saving a step (e.g. after a resume from it): replace it whole
             shutil.rmtree(final)
         os.replace(os.path.join(root(run_dir), f".step_{step}.tmp"), final)
@@ -182,10 +287,107 @@ def commit(run_dir: str, step: int, keep_last: int, rank: int, barrier: Any) -> 
         os.replace(pointer + ".tmp", pointer)
         done = done_steps(run_dir)
         keep = [s for s in done if s <= step][-keep_last:]
+        if not any(damage(os.path.join(root(run_dir), f"step_{s}"), deep=False) is None for s in keep):
+            # The kept ones are damaged (e.g. this one, cut by a full disk after its manifest): keep the newest
+            # intact older one too.
+            older = [s for s in done if s < keep[0]]
+            keep += [s for s in reversed(older) if damage(os.path.join(root(run_dir), f"step_{s}"), deep=False)
+                     is None][:1]
         for old in set(done) - set(keep):
             shutil.rmtree(os.path.join(root(run_dir), f"step_{old}"), ignore_errors=True)
     barrier()
     return final
+
+
+GIB = 2**30
+
+
+def estimated_bytes(cfg: Any) -> int:
+    """Bytes of one checkpoint, from the model and the optimizer (docs/memory.md's counts): each trained model's
+    DeepSpeed states, i.e. its weights in the training precision plus AdamW's fp32 moments (and fp32 master
+    weights under bf16); a frozen LoRA base is not saved; the frozen pretrained critic of V_aug in fp32. RNG
+    states, the carry and the metrics are small beside them."""
+    from rlcli.names import NEEDS_VALUES
+    from rlcli.plan import arch_of, critic_param_count, lora_param_count, param_count
+
+    arch = arch_of(cfg.model)
+    per_param = 4 + 8 if cfg.hw.precision == "fp32" else 2 + 4 + 8  # weights, Adam m and v (, fp32 master)
+    trained = lora_param_count(arch, cfg.model.lora) if cfg.model.lora.r else param_count(arch)
+    total = trained * per_param
+    if cfg.algo.adv_estimator in NEEDS_VALUES:
+        critic = critic_param_count(arch, cfg.critic)
+        total += critic * per_param + (critic * 4 if cfg.critic.aug_w0 is not None else 0)
+    return total
+
+
+def needed_bytes(cfg: Any) -> tuple[int, str]:
+    """(bytes one checkpoint of this run takes, how it is known): the newest checkpoint's manifest if the run has
+    one, else the estimate."""
+    path = latest(cfg.run_dir) if os.path.isdir(root(cfg.run_dir)) else None
+    if path and os.path.exists(os.path.join(path, MANIFEST)):
+        with open(os.path.join(path, MANIFEST)) as f:
+            return sum(v["size"] for v in json.load(f)["files"].values()), f"the size of {os.path.basename(path)}"
+    return estimated_bytes(cfg), "estimated from the model and the optimizer"
+
+
+def free_bytes(path: str) -> int:
+    """Free bytes of the file system `path` is (or will be) on: its nearest existing ancestor's."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return shutil.disk_usage(path).free
+
+
+def check_space(cfg: Any) -> None:
+    """`rlcli train`'s check before loading anything: refuse a run directory without room for one checkpoint (a
+    new one is complete before the oldest kept one is deleted)."""
+    if not cfg.checkpoint.check_space:
+        return
+    need, how = needed_bytes(cfg)
+    free = free_bytes(cfg.run_dir)
+    if free < need:
+        raise ConfigError(
+            f"hydra.run.dir={cfg.run_dir} is on a file system with {free / GIB:.2f} GiB free, but one checkpoint of "
+            f"this run needs {need / GIB:.2f} GiB ({how}): free space, choose a run directory on a larger disk, or "
+            "set checkpoint.check_space=false to train anyway"
+        )
+
+
+class DiskFull(ConfigError):
+    """The disk filled up while a checkpoint was written; the previous checkpoint is intact (a one-line error)."""
+
+
+def is_disk_full(e: BaseException) -> bool:
+    """ENOSPC as Python raises it, or as torch.save's zip writer reports it (a RuntimeError without errno)."""
+    if isinstance(e, OSError):
+        return e.errno in (errno.ENOSPC, errno.EDQUOT)
+    return isinstance(e, RuntimeError) and ("file write failed" in str(e) or "No space left" in str(e))
+
+
+@contextmanager
+def stop_on_disk_full(cfg: Any) -> Iterator[None]:
+    """Around a training run: a full disk (ENOSPC, or a quota: EDQUOT) stops the run with DiskFull, after
+    removing the partial `.step_N.tmp` it left; `latest` and the previous checkpoint were never touched."""
+    try:
+        yield
+    except Exception as e:
+        if not is_disk_full(e):
+            raise
+        where = root(cfg.run_dir)
+        partial = sorted(n for n in os.listdir(where) if n.endswith(".tmp")) if os.path.isdir(where) else []
+        for name in partial:
+            shutil.rmtree(os.path.join(where, name), ignore_errors=True)
+        need, how = needed_bytes(cfg)
+        previous = latest(cfg.run_dir)
+        file = f" ({e.filename})" if isinstance(e, OSError) and e.filename else ""
+        raise DiskFull(
+            f"no space left on the device while writing {', '.join(partial) or 'the run directory'}{file}; removed "
+            f"the partial checkpoint. One checkpoint of this run needs {need / GIB:.2f} GiB ({how}), "
+            f"{free_bytes(cfg.run_dir) / GIB:.2f} GiB are free now. "
+            + (f"The previous checkpoint {os.path.basename(previous)} is intact: free space, then continue with: "
+               f"{resume_command(cfg.run_dir)}" if previous else "No checkpoint was written yet: free space, or "
+               "choose a run directory on a larger disk, and start again")
+        ) from e
 
 
 def write_run_files(directory: str, cfg: Any, step: int, world: int, wandb_id: str | None) -> None:

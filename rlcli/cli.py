@@ -85,6 +85,7 @@ def train_job(cfg: Any) -> dict[str, Any] | None:
     _run_dir(cfg)
     validate(cfg)
     check_fits(cfg)  # the memory estimate (`rlcli plan`), before anything is loaded
+    checkpoint.check_space(cfg)  # room for one checkpoint, before anything is loaded
     resume = checkpoint.resolve(cfg.resume, cfg.run_dir)
     if resume is not None:
         checkpoint.check_compatible(resume, cfg)
@@ -99,7 +100,8 @@ def train_job(cfg: Any) -> dict[str, Any] | None:
     if cfg.hw.nproc * cfg.hw.nnodes == 1:
         from rlcli.trainer import Trainer
 
-        return Trainer(cfg).fit()
+        with checkpoint.stop_on_disk_full(cfg):
+            return Trainer(cfg).fit()
     # Work one rank would do alone (the tiny model's warm start, a model conversion) happens here, before the
     # workers start: they then read the cache, and no rank waits for it under hw.collective_timeout_s.
     from rlcli.models import resolve_model_path
@@ -150,8 +152,9 @@ def launch(frozen_config: str, hw: Any) -> None:
     if received:
         print(f"workers stopped by {signal.Signals(received[0]).name}; see the log above", file=sys.stderr)
         raise SystemExit(128 + received[0])
-    if code:
-        raise SystemExit(f"workers failed with exit code {code}; see the log above")
+    if code:  # not the user's mistake: the workers printed their tracebacks above
+        print(f"rlcli: workers failed with exit code {code}; see the log above", file=sys.stderr, flush=True)
+        raise SystemExit(1)
 
 
 def _die_with_parent() -> None:
@@ -199,16 +202,94 @@ def _hydra_main(command: str, argv: list[str]) -> None:
 
     @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
     def entry(cfg: Any) -> None:
-        job(cfg)
+        try:
+            job(cfg)
+        except Exception as e:  # a user's mistake leaves the job as SystemExit, which Hydra does not report
+            message = user_message(e)
+            if message is None:
+                raise
+            if DEBUG:
+                import traceback
+
+                traceback.print_exc()
+            raise SystemExit(message) from e
 
     if command != "train" and not any(a.startswith(("hydra.run.dir=", "hydra.sweep.dir=")) for a in argv):
         argv = [f"hydra.run.dir=runs/{command}/${{now:%Y-%m-%d}}/${{now:%H-%M-%S}}", *argv]
     sys.argv = [f"rlcli {command}", *argv]
+    # Hydra would print errors itself (a shortened traceback, exit 1); let them reach main(), which prints a
+    # user's mistake in one line and an internal error with its full traceback.
+    os.environ["HYDRA_FULL_ERROR"] = "1"
     entry()
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run a command. A user's mistake (a config error, a typo Hydra reports, a refused run directory) is printed
+    as one line, `rlcli: error: <message>`, with exit status 2; `--debug` or HYDRA_FULL_ERROR=1 adds the
+    traceback. Anything else is an internal error: its traceback, exit status 1."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    global DEBUG
+    debug = DEBUG = "--debug" in argv or os.environ.get("HYDRA_FULL_ERROR") == "1"
+    argv = [a for a in argv if a != "--debug"]
+    try:
+        _main(argv)
+    except SystemExit as e:
+        if isinstance(e.code, str):  # raise SystemExit("message"): rlcli's own refusals, ladder's and plot's
+            _user_error(e.code, debug)
+        raise
+    except Exception as e:
+        message = user_message(e)
+        if message is None:
+            raise
+        _user_error(message, debug)
+
+
+DEBUG = False
+"""--debug or HYDRA_FULL_ERROR=1: user errors come with their traceback."""
+
+
+def user_message(e: BaseException) -> str | None:
+    """The one-line message of a user's mistake, or None for an internal error."""
+    from hydra.errors import HydraException
+
+    from rlcli.schema import ConfigError
+
+    if isinstance(e, ConfigError):
+        return str(e)
+    if isinstance(e, HydraException):  # composing: a misspelled key or option, a wrong type, a bad override
+        parts = [str(e)] + ([str(e.__cause__)] if e.__cause__ is not None else [])
+        lines = [line.strip() for part in parts for line in part.splitlines() if line.strip()]
+        # Hydra's "To append to your config use +key=value" is the wrong fix for a typo in a typed schema.
+        noise = ("To append to your config", "reference_type=", "object_type=", "Config search path", "provider=")
+        lines = [line for line in lines if not line.startswith(noise)]
+        options = next((i for i, line in enumerate(lines) if line.startswith("Available options")), None)
+        if options is not None:  # one option per line in Hydra's text
+            lines = [*lines[:options], lines[options] + " " + ", ".join(lines[options + 1:])]
+        import re
+
+        typo = re.search(r"full_key: (\S+)", str(e.__cause__ or e))
+        if typo and "not in" in str(e.__cause__ or e):
+            import difflib
+
+            from rlcli.config import Config
+            from rlcli.schema_doc import knobs
+
+            close = difflib.get_close_matches(typo.group(1), [k for k, *_ in knobs(Config)], n=1)
+            lines += [f"did you mean {close[0]}?"] if close else []
+        return "; ".join(dict.fromkeys(lines)) + " (`rlcli explain <group>` lists the keys, `rlcli train --help` the options)"
+    return None
+
+
+def _user_error(message: str, debug: bool) -> None:
+    import traceback
+
+    if debug and sys.exc_info()[0] is not None and not isinstance(sys.exc_info()[1], SystemExit):
+        traceback.print_exc()
+    print(f"rlcli: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def _main(argv: list[str]) -> None:
     _environment()
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(_usage())

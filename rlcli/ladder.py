@@ -88,7 +88,9 @@ def base_index(base: str | None) -> int | None:
         return None
     m = RUNG_FILE.match(Path(base).name + ".yaml")
     if not m:
-        raise ValueError(f"ladder.base={base!r} is not a rung name like <paper>/NN_<name>")
+        from rlcli.schema import ConfigError
+
+        raise ConfigError(f"ladder.base={base!r} is not a rung name like <paper>/NN_<name>")
     return int(m.group(1))
 
 

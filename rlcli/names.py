@@ -9,6 +9,8 @@ Adding an estimator = its decorated function + its name below.
 
 from __future__ import annotations
 
+from rlcli.schema import ConfigError
+
 
 class Names(tuple):
     """A catalogue of registry names of one kind, with the config error `Registry.check` gives."""
@@ -23,7 +25,7 @@ class Names(tuple):
     def check(self, name: str, key: str) -> None:
         """Raise a config error naming `key` unless `name` is declared."""
         if name not in self:
-            raise ValueError(f"{key}={name!r} is not a known {self.kind}; valid names: {', '.join(sorted(self))}")
+            raise ConfigError(f"{key}={name!r} is not a known {self.kind}; valid names: {', '.join(sorted(self))}")
 
 
 ADVANTAGES = Names("advantage estimator", (
@@ -42,3 +44,10 @@ AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_sum
 """Loss aggregation modes (docs/algorithms.md, "Policy loss and aggregation"), see `functional.aggregate`."""
 ROLLOUT_CORRECTION_LEVELS = ("token", "sequence")
 ROLLOUT_ENGINES = Names("rollout engine", ("hf", "vllm"))
+SCHEDULERS = ("constant_with_warmup", "constant", "linear", "cosine", "cosine_with_restarts", "polynomial", "inverse_sqrt")
+"""optim.scheduler: the transformers.get_scheduler names that need only warmup and total steps (the others need
+extra arguments rlcli does not pass)."""
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
+"""model.dtype: rlcli.models.policy.DTYPES's keys."""
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+"""model.attn_implementation: the transformers attention backends (null = the library's default)."""

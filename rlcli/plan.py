@@ -542,8 +542,11 @@ def check_fits(cfg: Any) -> None:
         return
     plan = estimate(cfg)
     if plan.fits is False:
-        raise SystemExit(
-            f"{render(cfg, plan)}\n\nrlcli train: the estimated peak memory per device, {plan.peak / GIB:.2f} GiB, "
+        print(render(cfg, plan) + "\n", file=sys.stderr, flush=True)  # the breakdown and the fixes, then the error
+        from rlcli.schema import ConfigError
+
+        raise ConfigError(
+            f"the estimated peak memory per device, {plan.peak / GIB:.2f} GiB, "
             f"exceeds the device's {plan.device / GIB:.2f} GiB ({plan.device_note}). Apply one of the changes "
             "above; or set hw.device_memory_gb if the device has more; or hw.check_memory=false to train anyway "
             "(docs/memory.md explains the estimate)."
@@ -579,11 +582,7 @@ def main(argv: list[str]) -> int:
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         cfg = compose("config", overrides=argv)
-    try:
-        validate(cfg)
-    except ValueError as e:
-        print(f"rlcli plan: {e}", file=sys.stderr)
-        return 2
+    validate(cfg)  # a ConfigError: rlcli's one-line error, exit status 2 (rlcli.cli.main)
     plan = estimate(cfg)
     print(render(cfg, plan))
     return 0 if plan.fits is not False else 1

@@ -42,7 +42,10 @@ def _default(f: dataclasses.Field) -> Any:
 
 
 def knobs(cls: type, prefix: str = "") -> list[tuple[str, str, Any, str]]:
-    """(key, type, default, doc) for every leaf field, recursing into nested dataclasses."""
+    """(key, type, default, doc) for every leaf field, recursing into nested dataclasses; the doc ends with the
+    field's valid range or choices where the schema declares them (rlcli.schema)."""
+    from rlcli.schema import range_of
+
     rows = []
     docs = field_docs(cls)
     hints = {f.name: f.type for f in dataclasses.fields(cls)}
@@ -52,7 +55,11 @@ def knobs(cls: type, prefix: str = "") -> list[tuple[str, str, Any, str]]:
         if dataclasses.is_dataclass(value):
             rows.extend(knobs(type(value), key + "."))
         else:
-            rows.append((key, str(hints[f.name]).replace("typing.", ""), value, docs.get(f.name, "")))
+            doc = docs.get(f.name, "")
+            spec = range_of(f)
+            if spec is not None:
+                doc += f" Valid: {spec.text()}" + (" or null." if "None" in str(hints[f.name]) else ".")
+            rows.append((key, str(hints[f.name]).replace("typing.", ""), value, doc))
     return rows
 
 

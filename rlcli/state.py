@@ -12,12 +12,14 @@ import torch
 
 from rlcli.data import PromptStream
 from rlcli.rollout.sampler import GroupSampler
+from rlcli.schema import ConfigError
 
 HEADLINE = ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "reward/mean", "acc/mean")
 
 
-class NonFiniteTraining(RuntimeError):
-    """Training produced only non-finite gradients for optim.max_skipped_steps steps in a row."""
+class NonFiniteTraining(ConfigError):
+    """Training produced only non-finite gradients for optim.max_skipped_steps steps in a row (reported in one
+    line, like a config error: the fix is a knob)."""
 
 
 @dataclass

@@ -6,12 +6,20 @@ import sys
 
 
 def main() -> None:
+    from rlcli.checkpoint import stop_on_disk_full
     from rlcli.cli import _environment
     from rlcli.config import load_frozen
+    from rlcli.schema import ConfigError
     from rlcli.trainer import Trainer
 
     _environment()
-    Trainer(load_frozen(sys.argv[1])).fit()
+    cfg = load_frozen(sys.argv[1])
+    try:
+        with stop_on_disk_full(cfg):
+            Trainer(cfg).fit()
+    except ConfigError as e:  # a full disk: one line, like the launcher's own errors
+        print(f"rlcli: error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from e
 
 
 if __name__ == "__main__":

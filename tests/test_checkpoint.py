@@ -6,6 +6,7 @@ peak memory is equal bit for bit, and so is every weight of the final policy.
 """
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -300,3 +301,137 @@ def test_zero3_saves_the_trained_policy_gathered(tmp_path, cache):
             assert b[k].shape == a[k].shape and b[k].numel() > 0, k
         gap = torch.cat([(b[k] - a[k]).flatten() for k in a])
         assert moved.norm() > 0 and gap.norm() / moved.norm() < 1e-3, name
+
+
+# ---------------------------------------------------------------------------------------------- damage and full disks
+def committed(run, step, keep_last=3, payload=b"weights" * 100):
+    tmp = ckpt.staging(str(run), step, 0, lambda: None)
+    os.makedirs(os.path.join(tmp, "actor"))
+    with open(os.path.join(tmp, "actor", "model_states.pt"), "wb") as f:
+        f.write(payload + bytes([step]))
+    with open(os.path.join(tmp, "meta.json"), "w") as f:
+        json.dump({"step": step}, f)
+    return ckpt.commit(str(run), step, keep_last=keep_last, rank=0, barrier=lambda: None)
+
+
+def truncate(path):
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+def flip_a_bit(path):
+    with open(path, "r+b") as f:
+        f.seek(10)
+        byte = f.read(1)
+        f.seek(10)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+@pytest.mark.parametrize("harm", [truncate, flip_a_bit])
+def test_resume_auto_skips_a_damaged_latest_checkpoint_naming_the_file(tmp_path, capfd, harm):
+    for step in (2, 4):
+        committed(tmp_path, step)
+    manifest = json.loads((tmp_path / "checkpoints" / "step_4" / "manifest.json").read_text())
+    assert set(manifest["files"]) == {"actor/model_states.pt", "meta.json"}
+    bad = tmp_path / "checkpoints" / "step_4" / "actor" / "model_states.pt"
+    harm(bad)
+    assert ckpt.resolve("auto", str(tmp_path)) == str(tmp_path / "checkpoints" / "step_2")
+    err = capfd.readouterr().err
+    assert "rlcli: warning: checkpoint step_4 is damaged" in err and str(bad) in err and "resuming from step_2" in err
+    for explicit in (str(tmp_path / "checkpoints" / "step_4"), str(tmp_path)):  # a checkpoint, a run directory
+        with pytest.raises(ckpt.ConfigError, match=re.escape(str(bad))):
+            ckpt.resolve(explicit, "/elsewhere")
+    harm(tmp_path / "checkpoints" / "step_2" / "meta.json")
+    with pytest.raises(ckpt.ConfigError, match="no intact checkpoint"):
+        ckpt.resolve("auto", str(tmp_path))
+
+
+def test_keep_last_never_deletes_the_newest_intact_checkpoint(tmp_path, monkeypatch):
+    committed(tmp_path, 1, keep_last=1)
+    write = ckpt.write_manifest
+
+    def write_then_lose_a_file(directory):  # the new checkpoint is damaged right after its manifest
+        write(directory)
+        truncate(os.path.join(directory, "actor", "model_states.pt"))
+
+    monkeypatch.setattr(ckpt, "write_manifest", write_then_lose_a_file)
+    committed(tmp_path, 2, keep_last=1)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step_1", "step_2"]
+    assert ckpt.resolve("auto", str(tmp_path)) == str(tmp_path / "checkpoints" / "step_1")
+
+
+def test_a_full_disk_while_saving_keeps_the_previous_checkpoint_and_says_what_a_checkpoint_needs(tmp_path):
+    cfg = compose()
+    cfg.run_dir = str(tmp_path)
+    committed(tmp_path, 2)
+    with pytest.raises(ckpt.DiskFull) as e, ckpt.stop_on_disk_full(cfg):
+        tmp = ckpt.staging(str(tmp_path), 4, 0, lambda: None)
+        with open(os.path.join(tmp, "rank_0.pt"), "wb") as f:
+            f.write(b"half")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f.name)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step_2"]  # no partial .step_4.tmp
+    assert ckpt.resolve("auto", str(tmp_path)) == str(tmp_path / "checkpoints" / "step_2")
+    msg = str(e.value)
+    assert "no space left" in msg and "rank_0.pt" in msg and "GiB (the size of step_2)" in msg
+    assert "step_2 is intact" in msg and "resume=auto" in msg
+    with pytest.raises(ZeroDivisionError), ckpt.stop_on_disk_full(cfg):  # other errors pass through
+        raise ZeroDivisionError
+
+
+def test_train_refuses_a_run_dir_without_room_for_a_checkpoint_before_loading(tmp_path):
+    """shutil.disk_usage reports 1 MiB free: `rlcli train` stops before the warm start, naming what it needs."""
+    code = ("import collections, shutil, sys\n"
+            "shutil.disk_usage = lambda p: collections.namedtuple('U', 'total used free')(2**30, 2**30 - 2**20, 2**20)\n"
+            "from rlcli.cli import main\nmain(sys.argv[1:])\n")
+    out = subprocess.run([sys.executable, "-c", code, "train", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert re.search(r"rlcli: error: hydra\.run\.dir=.* 0\.00 GiB free, but one checkpoint of this run needs "
+                     r"0\.05 GiB \(estimated from the model and the optimizer\)", out.stderr), out.stderr
+    assert "checkpoint.check_space=false" in out.stderr and "warm" not in out.stdout.lower()
+
+
+@pytest.mark.slow
+def test_a_damaged_latest_checkpoint_falls_back_and_the_resume_equals_the_straight_run(tmp_path, cache):
+    """A run with checkpoints at steps 2 and 4; step 4's model states are then truncated. resume=auto warns, naming
+    the file, resumes from step 2, and steps 3-4 (metrics and final weights) equal the undamaged run's; an explicit
+    resume= of the damaged checkpoint fails in one line naming the file. Then a disk that fills up while step 4's
+    checkpoint is written again (ENOSPC at rank_0.pt) stops the run with exit 2, leaving step 2 and `latest`
+    intact and no partial directory; the estimate of a checkpoint's size is within 2x of the real one."""
+    args = ["steps=4", *FAST, "checkpoint.every=2"]
+    run = tmp_path / "run"
+    train(tmp_path, cache, *args, f"hydra.run.dir={run}")
+    straight_rows, straight_weights = stable(metric_rows(run)), policy_tensors(run)
+    states = [p for p in (run / "checkpoints" / "step_4" / "actor").rglob("*model_states.pt")]
+    assert states
+    truncate(states[0])
+
+    refused = subprocess.run([sys.executable, "-m", "rlcli.cli", "train", *args, f"hydra.run.dir={tmp_path / 'b'}",
+                              f"resume={run / 'checkpoints' / 'step_4'}"], cwd=tmp_path, capture_output=True,
+                             text=True, env=environment(cache), timeout=120)
+    assert refused.returncode == 2 and f"rlcli: error: resume={run / 'checkpoints' / 'step_4'}" in refused.stderr
+    assert str(states[0]) in refused.stderr and "Traceback" not in refused.stderr
+
+    out = train(tmp_path, cache, *args, f"hydra.run.dir={run}", "resume=auto")
+    assert f"checkpoint step_4 is damaged, skipped: {states[0]}" in out and "resuming from step_2" in out
+    assert "2 of 4 steps done" in out
+    assert stable(metric_rows(run)) == straight_rows
+    b = policy_tensors(run)
+    assert straight_weights.keys() == b.keys() and all(torch.equal(straight_weights[k], b[k]) for k in b)
+    assert ckpt.damage(str(run / "checkpoints" / "step_4")) is None  # rewritten whole
+
+    # The disk fills up while step 4 is written again (a resume from step 2, into the same run directory).
+    full = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "helpers" / "disk_full_during_save.py"), "4", "train", *args,
+         f"hydra.run.dir={run}", f"resume={run / 'checkpoints' / 'step_2'}"],
+        cwd=tmp_path, capture_output=True, text=True, env=environment(cache), timeout=600)
+    assert full.returncode == 2, full.stdout[-3000:] + full.stderr[-3000:]
+    assert "rlcli: error: no space left on the device while writing .step_4.tmp" in full.stderr
+    assert "Traceback" not in full.stderr
+    assert not [n for n in os.listdir(run / "checkpoints") if n.endswith(".tmp")]
+    assert ckpt.resolve("auto", str(run)) == str(run / "checkpoints" / "step_4")  # untouched: resumed from 2
+    assert ckpt.damage(str(run / "checkpoints" / "step_2")) is None
+    size = sum(v["size"] for v in json.loads((run / "checkpoints" / "step_2" / "manifest.json").read_text())["files"]
+               .values())
+    cfg = compose(*args)
+    assert 0.5 < ckpt.estimated_bytes(cfg) / size < 2, (ckpt.estimated_bytes(cfg), size)

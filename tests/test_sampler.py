@@ -111,12 +111,12 @@ def test_without_dynamic_sampling_one_batch_is_the_step():
 
 
 def test_micro_batches_pack_rows_by_length_within_both_caps_and_cover_each_row_once():
-    """Trainer.micro_batches: rows longest first, at most hw.micro_batch rows and
+    """Learner.micro_batches: rows longest first, at most hw.micro_batch rows and
     hw.max_tokens_per_micro_batch slots (rows x (longest prompt + longest response)) per micro-batch,
     every row exactly once; trimming leaves less padding than the unsorted split of the same sizes."""
     from types import SimpleNamespace
 
-    from rlcli.trainer import Trainer
+    from rlcli.learner import Learner
 
     torch.manual_seed(0)
     n, tp, t = 40, 12, 30
@@ -128,7 +128,7 @@ def test_micro_batches_pack_rows_by_length_within_both_caps_and_cover_each_row_o
     )
     trainer = SimpleNamespace(cfg=SimpleNamespace(hw=SimpleNamespace(micro_batch=8, max_tokens_per_micro_batch=120)),
                               lockstep=False)
-    parts = Trainer.micro_batches(trainer, b)
+    parts = Learner.micro_batches(trainer, b)
     assert sorted(torch.cat(parts).tolist()) == list(range(n))
     slots = 0
     for idx in parts:
@@ -144,7 +144,7 @@ def test_micro_batches_pack_rows_by_length_within_both_caps_and_cover_each_row_o
 def test_split_to_gives_lockstep_ranks_the_same_number_of_micro_batches():
     """ZeRO-3 over ranks: a rank with fewer micro-batches halves its largest ones (every row still once, in
     order), and a rank with fewer rows than micro-batches adds empty ones (dummy forward passes)."""
-    from rlcli.trainer import split_to
+    from rlcli.learner import split_to
 
     assert split_to([[0, 1, 2, 3, 4], [5]], 2) == [[0, 1, 2, 3, 4], [5]]
     assert split_to([[0, 1, 2, 3, 4], [5]], 3) == [[0, 1], [2, 3, 4], [5]]

@@ -104,7 +104,7 @@ def test_config_is_a_documented_structured_config():
 @pytest.mark.parametrize(
     "override, match",
     [
-        ({"head": "quantile"}, "valid names: scalar, multi, distributional"),
+        ({"head": "quantile"}, "critic.head='quantile' must be one of: scalar, multi, distributional"),
         ({"v_min": 1.0, "v_max": 1.0}, "v_min"),
         ({"num_bins": 1}, "num_bins"),
         ({"pretrain_steps": 0}, "algo.value_pretrain=false turns value pretraining off"),

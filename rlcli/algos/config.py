@@ -16,6 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlcli.names import ADVANTAGES, AGG_MODES, KL_ESTIMATORS, POLICY_LOSSES, ROLLOUT_CORRECTION_LEVELS
+from rlcli.schema import ConfigError, check_ranges, rng
+
+BASELINE_WEIGHTS = ("inv_sqrt_len", "uniform")
+"""`weighted_baseline` estimator weights (algo.baseline_weights)."""
 
 
 @dataclass
@@ -24,18 +28,18 @@ class AlgoConfig:
     """Preset name, for logs and run names (set by conf/algo/<name>.yaml)."""
 
     # --- advantage estimation (docs/algorithms.md, "Advantage estimators") ---------------------
-    adv_estimator: str = "grpo"
+    adv_estimator: str = rng("grpo", choices=ADVANTAGES)
     """ADVANTAGES registry name: grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline | gae |
     rank | weighted_baseline | hierarchical | vapo_grpo_hybrid."""
-    gamma: float = 1.0
+    gamma: float = rng(1.0, ge=0, le=1)
     """Discount γ over response tokens (GAE and token-level returns; 1.0 for outcome rewards)."""
-    lam_actor: float = 0.95
+    lam_actor: float = rng(0.95, ge=0, le=1)
     """GAE λ for the actor's advantages (VAPO decoupled GAE: 0.95); plain PPO sets both λ equal."""
-    lam_critic: float = 0.95
+    lam_critic: float = rng(0.95, ge=0, le=1)
     """GAE λ for the critic's return targets (VAPO decoupled GAE: 1.0, i.e. Monte-Carlo returns)."""
     length_adaptive_gae: bool = False
     """VAPO length-adaptive GAE: the actor's λ is 1 - 1/(α·l_i) per sequence instead of lam_actor."""
-    length_adaptive_alpha: float = 0.05
+    length_adaptive_alpha: float = rng(0.05, gt=0, why="VAPO: 0.05")
     """α of length-adaptive GAE (VAPO: 0.05). α·l_i is the horizon, so α scales inversely with response
     length: a scale knob, set by model presets (model=tiny: 1.0)."""
     whiten_advantages: bool = True
@@ -43,46 +47,46 @@ class AlgoConfig:
     reinforce_pp_baseline); group estimators normalise per group and ignore it."""
 
     # --- policy loss and aggregation (docs/algorithms.md, "Policy loss") -----------------------
-    policy_loss: str = "clipped"
+    policy_loss: str = rng("clipped", choices=POLICY_LOSSES)
     """POLICY_LOSSES registry name: clipped (PPO/GRPO/DAPO token-ratio surrogate) | gspo (GSPO,
     sequence-level ratio) | cispo (CISPO, clipped stop-gradient IS weight on logp)."""
-    clip_low: float = 0.2
+    clip_low: float = rng(0.2, ge=0, le=1, why="the ratio is clipped below at 1 - clip_low; 1 = no lower bound")
     """ε_low: the ratio is clipped below at 1 - clip_low (PPO 0.2; GSPO 3e-4; CISPO 1.0 = no lower
     bound, ratios being ≥ 0)."""
-    clip_high: float = 0.2
+    clip_high: float = rng(0.2, ge=0)
     """ε_high: the ratio is clipped above at 1 + clip_high (DAPO clip-higher: 0.28; GSPO 4e-4)."""
-    dual_clip: float | None = None
+    dual_clip: float | None = rng(None, gt=1, why="e.g. 3 or 10; null = off")
     """Dual-clip constant c > 1 bounding the loss of A < 0 tokens at -A·c (Ye et al. 2020; DAPO script: 10)."""
-    ratio_clamp: float | None = None
+    ratio_clamp: float | None = rng(None, gt=1, why="e.g. 10; null = off")
     """rlcli option (not from a paper): hard-clamp the ratio to [1/C, C] before the surrogate (C = 10);
     null = off."""
-    loss_agg: str = "seq_mean_token_mean"
+    loss_agg: str = rng("seq_mean_token_mean", choices=AGG_MODES)
     """Loss aggregation: token_mean (DAPO, VAPO) | seq_mean_token_mean (GRPO) | seq_mean_token_sum |
     seq_sum_const (Dr.GRPO). Normalizers span the whole optimizer mini-batch."""
-    seq_reweight_alpha: float | None = None
+    seq_reweight_alpha: float | None = rng(None, ge=0, why="null = off")
     """rlcli option (not from a paper): scale each sequence's advantages by (l_i/L_median)^(-α) (α in [0, 0.5]);
     null = off."""
-    ppo_epochs: int = 1
+    ppo_epochs: int = rng(1, ge=1)
     """Passes over each rollout batch (GRPO's μ); 1 epoch with 1 mini-batch is exactly on-policy."""
-    mini_batches: int = 1
+    mini_batches: int = rng(1, ge=1)
     """Optimizer steps per epoch; each mini-batch holds whole groups."""
 
     # --- KL to the reference policy ------------------------------------------------------------
-    kl_coef: float = 0.0
+    kl_coef: float = rng(0.0, ge=0, why="0 turns the KL term and the reference model off")
     """β: weight of the KL to the reference policy; 0 = no reference model is loaded at all."""
-    kl_estimator: str = "k3"
+    kl_estimator: str = rng("k3", choices=KL_ESTIMATORS)
     """KL_ESTIMATORS name: k1 | k2 | k3 (Schulman 2020, 'Approximating KL divergence')."""
     kl_in_reward: bool = False
     """True: r_t -= β·k(old_logp, ref_logp) per token (PPO/RLOO/REINFORCE++); False: + β·k in the loss (GRPO)."""
-    kl_target: float | None = None
+    kl_target: float | None = rng(None, gt=0, why="null = fixed β")
     """Adaptive KL controller target (Ziegler et al. 2019); null = fixed β."""
-    kl_horizon: int = 10000
+    kl_horizon: int = rng(10000, ge=1)
     """Adaptive KL controller horizon, in trajectories (Ziegler et al. 2019)."""
 
     # --- extra loss terms ----------------------------------------------------------------------
-    entropy_coef: float = 0.0
+    entropy_coef: float = rng(0.0, ge=0)
     """c_ent: entropy bonus weight (loss -= c_ent·H)."""
-    nll_coef: float = 0.0
+    nll_coef: float = rng(0.0, ge=0)
     """μ: VAPO positive-example LM loss weight, NLL over responses with acc = 1 (paper: 0.1)."""
 
     # --- reward shaping and sampling (DAPO, arXiv:2503.14476 §3.2, §3.4) -----------------------
@@ -90,26 +94,26 @@ class AlgoConfig:
     """DAPO overlong filtering: truncated responses get no loss (mask 0) but keep their reward."""
     soft_overlong: bool = False
     """DAPO soft overlong punishment: a linear penalty in the last rollout.overlong_buffer_len tokens."""
-    overlong_penalty_factor: float = 1.0
+    overlong_penalty_factor: float = rng(1.0, ge=0)
     """Scale of the soft overlong punishment added to the task reward."""
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: keep only groups whose filter metric varies (0 < #correct < G), refill."""
-    filter_metric: str = "acc"
+    filter_metric: str = rng("acc", choices=("acc", "score"), why="acc: verified correctness, DAPO; score: the shaped reward")
     """Per-trajectory metric whose zero within-group variance drops a group under dynamic sampling:
     acc | score."""
-    max_gen_batches: int = 10
+    max_gen_batches: int = rng(10, ge=1)
     """Dynamic sampling: generation batches allowed per step before failing (or training on fewer)."""
     train_on_partial: bool = False
     """Dynamic sampling: when max_gen_batches runs out, train on the groups kept so far instead of failing."""
 
     # --- rlcli estimator options (not from a paper; docs/algorithms.md#rlcli-options) ----------
-    hierarchical_alpha: float = 0.5
+    hierarchical_alpha: float = rng(0.5, ge=0, le=1)
     """`hierarchical` estimator: weight α of the within-group advantage vs the whole-batch one."""
-    hybrid_alpha0: float = 1.0
+    hybrid_alpha0: float = rng(1.0, ge=0, le=1)
     """`vapo_grpo_hybrid`: α_0 in α(t) = α_0·exp(-κ t/T), the weight of the GAE advantage."""
-    hybrid_kappa: float = 5.0
+    hybrid_kappa: float = rng(5.0, ge=0)
     """`vapo_grpo_hybrid`: decay rate κ of α(t)."""
-    baseline_weights: str = "inv_sqrt_len"
+    baseline_weights: str = rng("inv_sqrt_len", choices=BASELINE_WEIGHTS)
     """`weighted_baseline` estimator weights: inv_sqrt_len (1/sqrt(|y|)) | uniform."""
 
     # --- VAPO switches (arXiv:2504.05118 §3); their scale lives in `critic` and `rollout` ---------
@@ -122,93 +126,38 @@ class AlgoConfig:
     sampled once (only for estimators that need no groups: gae, reinforce_pp)."""
 
     # --- rollout correction: the sampler's log-probs differ from the trainer's -----------------
-    rollout_correction: str = "none"
+    rollout_correction: str = rng("none", choices=("none", *ROLLOUT_CORRECTION_LEVELS))
     """Importance weights π_trainer/π_sampler on the policy loss (functional.rollout_correction_weights):
     none | token | sequence (one weight per response, from its summed log ratio)."""
-    rollout_correction_upper: float | None = 2.0
+    rollout_correction_upper: float | None = rng(2.0, gt=0, why="TIS: 2; null = none")
     """Upper bound C of the weights: truncated IS min(w, C) (TIS, Yao et al. 2025: 2); null = none."""
-    rollout_correction_lower: float | None = None
+    rollout_correction_lower: float | None = rng(None, ge=0, why="null = truncate only")
     """Lower bound: weights outside [lower, upper] are zeroed (masked IS, IcePop) instead of truncated;
     null = truncate only."""
 
     # --- critic (docs/algorithms.md#critic-and-other-terms) ------------------------------------
-    value_clip: float | None = 0.5
+    value_clip: float | None = rng(0.5, gt=0, why="null = unclipped")
     """ε_v: value-loss clip range around the old values; null = unclipped."""
 
 
-BASELINE_WEIGHTS = ("inv_sqrt_len", "uniform")
-
-
 def validate(cfg: Any) -> None:
-    """Check names against the registries and values against their ranges; raise ValueError.
-
-    `cfg` is an AlgoConfig or the composed `algo` DictConfig. Messages name the key and the fix.
-    """
-    ADVANTAGES.check(cfg.adv_estimator, "algo.adv_estimator")
-    POLICY_LOSSES.check(cfg.policy_loss, "algo.policy_loss")
-    KL_ESTIMATORS.check(cfg.kl_estimator, "algo.kl_estimator")
-    if cfg.loss_agg not in AGG_MODES:
-        raise ValueError(
-            f"algo.loss_agg={cfg.loss_agg!r} is not a known loss aggregation; valid names: {', '.join(AGG_MODES)}"
-        )
-    if cfg.baseline_weights not in BASELINE_WEIGHTS:
-        raise ValueError(
-            f"algo.baseline_weights={cfg.baseline_weights!r}; valid names: {', '.join(BASELINE_WEIGHTS)}"
-        )
-
-    corrections = ("none", *ROLLOUT_CORRECTION_LEVELS)
-    if cfg.rollout_correction not in corrections:
-        raise ValueError(
-            f"algo.rollout_correction={cfg.rollout_correction!r}; valid names: {', '.join(corrections)}"
-        )
-
-    def need(ok: bool, key: str, rule: str) -> None:
-        if not ok:
-            raise ValueError(f"algo.{key}={getattr(cfg, key)!r} must be {rule}")
-
-    need(
-        0.0 <= cfg.clip_low <= 1.0,
-        "clip_low",
-        "in [0, 1] (the ratio is clipped below at 1 - clip_low; 1 = no lower bound)",
-    )
-    need(cfg.clip_high >= 0.0, "clip_high", ">= 0")
-    need(cfg.dual_clip is None or cfg.dual_clip > 1.0, "dual_clip", "> 1 (e.g. 3 or 10) or null")
-    need(cfg.ratio_clamp is None or cfg.ratio_clamp > 1.0, "ratio_clamp", "> 1 (e.g. 10) or null")
-    need(0.0 <= cfg.gamma <= 1.0, "gamma", "in [0, 1]")
-    need(0.0 <= cfg.lam_actor <= 1.0, "lam_actor", "in [0, 1]")
-    need(0.0 <= cfg.lam_critic <= 1.0, "lam_critic", "in [0, 1]")
-    need(cfg.length_adaptive_alpha > 0, "length_adaptive_alpha", "> 0 (VAPO: 0.05)")
-    need(cfg.seq_reweight_alpha is None or cfg.seq_reweight_alpha >= 0, "seq_reweight_alpha", ">= 0 or null")
-    need(cfg.ppo_epochs >= 1, "ppo_epochs", ">= 1")
-    need(cfg.mini_batches >= 1, "mini_batches", ">= 1")
-    need(cfg.kl_coef >= 0.0, "kl_coef", ">= 0 (0 turns the KL term and the reference model off)")
-    need(cfg.kl_target is None or cfg.kl_target > 0, "kl_target", "> 0 or null (fixed β)")
+    """Check every field against its declared range or choices, then the rules that relate fields; raise
+    ConfigError. `cfg` is an AlgoConfig or the composed `algo` DictConfig. Messages name the key and the fix."""
+    check_ranges(cfg, AlgoConfig, "algo.")
     if cfg.kl_target is not None and cfg.kl_coef == 0:
-        raise ValueError(
+        raise ConfigError(
             f"algo.kl_target={cfg.kl_target} needs an initial algo.kl_coef > 0: the adaptive controller "
             "multiplies β, so it would stay 0; set algo.kl_coef (e.g. 0.01) or algo.kl_target=null"
         )
     if cfg.kl_target is not None and not cfg.kl_in_reward:
-        raise ValueError(
+        raise ConfigError(
             f"algo.kl_target={cfg.kl_target} adapts β of the KL penalty in the reward (Ziegler et al. 2019), "
             "but algo.kl_in_reward=false puts the KL in the loss with a fixed β: set algo.kl_in_reward=true "
             "or algo.kl_target=null"
         )
-    need(cfg.kl_horizon >= 1, "kl_horizon", ">= 1")
-    need(cfg.entropy_coef >= 0.0, "entropy_coef", ">= 0")
-    need(cfg.nll_coef >= 0.0, "nll_coef", ">= 0")
-    need(cfg.overlong_penalty_factor >= 0.0, "overlong_penalty_factor", ">= 0")
-    need(cfg.max_gen_batches >= 1, "max_gen_batches", ">= 1")
-    need(cfg.filter_metric in ("acc", "score"), "filter_metric",
-         "acc (verified correctness, DAPO) or score (the shaped reward)")
-    need(0.0 <= cfg.hierarchical_alpha <= 1.0, "hierarchical_alpha", "in [0, 1]")
-    need(0.0 <= cfg.hybrid_alpha0 <= 1.0, "hybrid_alpha0", "in [0, 1]")
-    need(cfg.hybrid_kappa >= 0.0, "hybrid_kappa", ">= 0")
-    need(cfg.value_clip is None or cfg.value_clip > 0, "value_clip", "> 0 or null (unclipped)")
     upper, lower = cfg.rollout_correction_upper, cfg.rollout_correction_lower
-    need(upper is None or upper > 0, "rollout_correction_upper", "> 0 (TIS: 2) or null")
-    need(
-        lower is None or (lower >= 0 and (upper is None or lower < upper)),
-        "rollout_correction_lower",
-        ">= 0 and below algo.rollout_correction_upper, or null",
-    )
+    if lower is not None and upper is not None and not lower < upper:
+        raise ConfigError(
+            f"algo.rollout_correction_lower={lower} must be below algo.rollout_correction_upper={upper} (weights "
+            "outside [lower, upper] are zeroed), or null"
+        )

@@ -44,7 +44,9 @@ PLACEHOLDER = "{question}"
 def check_template(template: str) -> None:
     """Raise a config error unless `template` is a TEMPLATES name or a text with `{question}`."""
     if template not in TEMPLATES and PLACEHOLDER not in template:
-        raise ValueError(
+        from rlcli.schema import ConfigError
+
+        raise ConfigError(
             f"data.template={template!r} is neither a named template ({', '.join(sorted(TEMPLATES))}) "
             f"nor a literal text containing {PLACEHOLDER}"
         )

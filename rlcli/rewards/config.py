@@ -20,11 +20,11 @@ docs/rewards.md for the two wiring patterns, both tested in tests/test_rewards.p
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from rlcli.rewards.functions import REWARDS
+from rlcli.schema import ConfigError, check_ranges, rng
 
 # Metric names the manager emits besides "reward/<part>"; a part may not take one of them, nor
 # the trainer's reward/mean and reward/std (docs/metrics.md).
@@ -35,25 +35,25 @@ RESERVED_NAMES = ("timeouts", "errors", "restarts", "mean", "std", "pool_mean")
 class RewardConfig:
     """Task reward: which reward functions, their weights, and the verifier sandbox."""
 
-    weights: dict[str, float] = field(default_factory=lambda: {"math_verify": 1.0})
+    weights: dict[str, float] = rng(factory=lambda: {"math_verify": 1.0})
     """Active reward parts, name -> weight: built-ins (math_verify, format, length) or custom names."""
-    correct_score: float = 1.0
+    correct_score: float = rng(1.0)
     """Value of the math_verify part when the answer is correct (acc = 1)."""
-    incorrect_score: float = 0.0
+    incorrect_score: float = rng(0.0)
     """Value of the math_verify part when wrong, missing, timed out or errored (DAPO uses -1)."""
     custom: dict[str, str] = field(default_factory=dict)
     """User reward functions, name -> dotted path 'pkg.module.fn' with fn(response, ground_truth) -> float."""
-    length_target: int = 0
+    length_target: int = rng(0, ge=0, why="0 = shorter is better")
     """`length` reward: target response length in characters; 0 means shorter is better."""
-    length_scale: int = 8192
+    length_scale: int = rng(8192, ge=1)
     """`length` reward: distance from length_target, in characters, at which the reward reaches 0."""
-    timeout_s: float = 5.0
+    timeout_s: float = rng(5.0, gt=0)
     """Wall-clock budget per response in a worker; slower responses score as failures (timeouts)."""
-    num_workers: int = 2
+    num_workers: int = rng(2, ge=1)
     """Sandbox worker processes (each imports math-verify once, ~1 s, and is reused)."""
-    memory_mb: int = 2048
+    memory_mb: int = rng(2048, ge=256, why="a worker needs ~100 MiB to import math-verify")
     """Address-space cap per worker process (RLIMIT_AS), in MiB."""
-    max_response_chars: int = 100_000
+    max_response_chars: int = rng(100_000, ge=1)
     """Longer responses (or ground truths) are rejected unparsed and count as errors (20k tokens fit)."""
 
     def function_options(self) -> dict[str, Any]:
@@ -79,49 +79,29 @@ def store_group_schema(name: str = "reward_schema") -> None:
 
 
 def validate(cfg: Any, prefix: str = "reward") -> None:
-    """Raise ValueError naming the offending key if `cfg` (RewardConfig or DictConfig) is unusable."""
+    """Raise ConfigError naming the offending key if `cfg` (RewardConfig or DictConfig) is unusable."""
+    check_ranges(cfg, RewardConfig, prefix + ".")
     custom = dict(cfg.custom)
     valid = sorted(set(REWARDS) | set(custom))
     if not cfg.weights:
-        raise ValueError(f"{prefix}.weights is empty; select a reward, e.g. {prefix}=math_verify")
-    for name, weight in cfg.weights.items():
+        raise ConfigError(f"{prefix}.weights is empty; select a reward, e.g. {prefix}=math_verify")
+    for name in cfg.weights:
         if name not in valid:
-            raise ValueError(
+            raise ConfigError(
                 f"{prefix}.weights.{name}: unknown reward {name!r}; valid names: {', '.join(valid)} "
                 f"(add user functions under {prefix}.custom)"
             )
-        if not math.isfinite(weight):
-            raise ValueError(f"{prefix}.weights.{name}={weight} must be finite")
     for name, path in custom.items():
         if name in REWARDS or name in RESERVED_NAMES:
-            raise ValueError(f"{prefix}.custom.{name}: the name {name!r} is taken; choose another")
+            raise ConfigError(f"{prefix}.custom.{name}: the name {name!r} is taken; choose another")
         if "." not in path.strip("."):
-            raise ValueError(f"{prefix}.custom.{name}={path!r} must be a dotted path 'pkg.module.fn'")
+            raise ConfigError(f"{prefix}.custom.{name}={path!r} must be a dotted path 'pkg.module.fn'")
         if name not in cfg.weights:
-            raise ValueError(
+            raise ConfigError(
                 f"{prefix}.custom.{name} is never used: add {prefix}.weights.{name}=<weight> (0 to only log it)"
             )
-    for key in ("correct_score", "incorrect_score"):
-        if not math.isfinite(getattr(cfg, key)):
-            raise ValueError(f"{prefix}.{key}={getattr(cfg, key)} must be finite")
     if cfg.correct_score <= cfg.incorrect_score:
-        raise ValueError(
+        raise ConfigError(
             f"{prefix}.correct_score={cfg.correct_score} must exceed "
             f"{prefix}.incorrect_score={cfg.incorrect_score}"
-        )
-    positive = {
-        "timeout_s": cfg.timeout_s,
-        "num_workers": cfg.num_workers,
-        "length_scale": cfg.length_scale,
-        "max_response_chars": cfg.max_response_chars,
-    }
-    for key, value in positive.items():
-        if not value > 0:
-            raise ValueError(f"{prefix}.{key}={value} must be > 0")
-    if cfg.length_target < 0:
-        raise ValueError(f"{prefix}.length_target={cfg.length_target} must be >= 0")
-    if cfg.memory_mb < 256:
-        raise ValueError(
-            f"{prefix}.memory_mb={cfg.memory_mb} is too small: a worker needs ~100 MiB to import "
-            f"math-verify; use >= 256"
         )

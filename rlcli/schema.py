@@ -1,0 +1,144 @@
+"""Valid ranges and choices of config fields, declared beside their defaults, and the one checker that reads them.
+
+A schema field that can take a wrong value declares what is right where its default is (`rng`):
+
+    prompts_per_step: int = rng(16, ge=1)
+    clip_low: float = rng(0.2, ge=0, le=1, why="1 = no lower bound")
+    engine: str = rng("hf", choices=ROLLOUT_ENGINES)
+
+`check_ranges` walks the dataclass schema beside a composed config and raises `ConfigError` naming the first
+key out of range, before anything is loaded (rlcli.config.validate); `rlcli explain` and `--help` print the
+same ranges (rlcli.schema_doc). Rules that relate two fields (divisibility, lower < upper) stay in the
+`validate` functions. Torch-free: `rlcli train <typo>` must answer in a second.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A mistake in the user's config or command line: `rlcli` prints it as one line (`rlcli: error: ...`) and
+    exits with status 2, without a traceback (rlcli.cli). A ValueError, so callers catching ValueError still do;
+    a plain ValueError from deeper code stays an internal error with its traceback."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """Valid values of one field. Bounds apply to numbers (also to each element of a list or each value of a
+    dict); a number must also be finite. `choices` lists the valid values of a choice field. `why` is shown
+    after the rule in errors and in `explain` (what the bound means, how to turn the knob off)."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    choices: tuple[Any, ...] | None = None
+    why: str = ""
+    kind: str = ""
+    """What the choices are, for a registry's names (rlcli.names.Names.kind): 'rollout engine'."""
+
+    def ok(self, value: Any) -> bool:
+        if self.choices is not None:
+            return value in self.choices
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return False
+        return (
+            math.isfinite(value)
+            and (self.ge is None or value >= self.ge)
+            and (self.gt is None or value > self.gt)
+            and (self.le is None or value <= self.le)
+            and (self.lt is None or value < self.lt)
+        )
+
+    def error(self, key: str, value: Any, single: bool = True) -> str:
+        """The config error for `key=value` out of range: the key, the value and the rule (the fix)."""
+        shown = repr(value if single else _plain(value))
+        why = f" ({self.why})" if self.why else ""
+        if self.kind:
+            return f"{key}={shown} is not a known {self.kind}; valid names: {', '.join(sorted(map(str, self.choices or ())))}{why}"
+        return f"{key}={shown}{'' if single else ': each value'} must be {self.text()}{why}"
+
+    def text(self) -> str:
+        """The rule in words: 'one of: a, b', '>= 1', 'in [0, 1)', 'a finite number'."""
+        if self.choices is not None:
+            return "one of: " + ", ".join(str(c) for c in self.choices)
+        low = (f"[{_num(self.ge)}" if self.ge is not None else f"({_num(self.gt)}") if (
+            self.ge is not None or self.gt is not None) else None
+        high = (f"{_num(self.le)}]" if self.le is not None else f"{_num(self.lt)})") if (
+            self.le is not None or self.lt is not None) else None
+        if low and high:
+            return f"in {low}, {high}"
+        if low:
+            return f"{'>=' if self.ge is not None else '>'} {low[1:]}"
+        if high:
+            return f"{'<=' if self.le is not None else '<'} {high[:-1]}"
+        return "a finite number"
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+def rng(default: Any = dataclasses.MISSING, *, factory: Callable[[], Any] | None = None, ge: float | None = None,
+        gt: float | None = None, le: float | None = None, lt: float | None = None,
+        choices: Iterable[Any] | None = None, why: str = "") -> Any:
+    """A dataclass field with its default (or default `factory`) and its valid range or choices."""
+    spec = Range(ge=ge, gt=gt, le=le, lt=lt, choices=tuple(choices) if choices is not None else None, why=why,
+                 kind=getattr(choices, "kind", ""))
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata={"range": spec})
+    return dataclasses.field(default=default, metadata={"range": spec})
+
+
+def range_of(f: dataclasses.Field) -> Range | None:
+    return f.metadata.get("range")
+
+
+def nested_schema(f: dataclasses.Field) -> type | None:
+    """The dataclass a field holds (a config subgroup), read from its default: annotations are strings here."""
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        value = f.default_factory()  # type: ignore[misc]
+    else:
+        value = f.default
+    return type(value) if dataclasses.is_dataclass(value) else None
+
+
+def _get(cfg: Any, name: str) -> Any:
+    """cfg.<name>, or None for a value Hydra still has to set (`???`): nothing to check yet."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(cfg, DictConfig) and OmegaConf.is_missing(cfg, name):
+        return None
+    return getattr(cfg, name)
+
+
+def check_ranges(cfg: Any, schema: type, prefix: str = "") -> None:
+    """Raise ConfigError naming the first field of `cfg` (a DictConfig or a schema instance) outside the range
+    its `schema` dataclass declares. null passes: a field that may be null says what null means."""
+    for f in dataclasses.fields(schema):
+        key = f"{prefix}{f.name}"
+        sub = nested_schema(f)
+        if sub is not None:
+            check_ranges(_get(cfg, f.name), sub, key + ".")
+            continue
+        spec = range_of(f)
+        if spec is None:
+            continue
+        value = _get(cfg, f.name)
+        if value is None:
+            continue
+        items = list(value.values()) if isinstance(value, Mapping) else (
+            list(value) if isinstance(value, Iterable) and not isinstance(value, str) else [value])
+        bad = [v for v in items if v is not None and not spec.ok(v)]
+        if bad:
+            raise ConfigError(spec.error(key, value, single=len(items) == 1 and items[0] is value))
+
+
+def _plain(value: Any) -> Any:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value

@@ -1,0 +1,173 @@
+"""Every field of the schema is range-checked before anything loads (issue 25 §1).
+
+The test walks the dataclass schema itself, so a new field without a declared range (`rlcli.schema.rng`) or a
+stated reason why it cannot be wrong fails here. Each declared range is tried with values just outside its
+bounds, zero and negatives where invalid, nan and ±inf, and an unknown choice; `validate` must name the field.
+"""
+
+import copy
+import dataclasses
+import math
+
+import pytest
+from conftest import compose
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from omegaconf import OmegaConf, open_dict
+
+from rlcli.config import Config, validate
+from rlcli.schema import ConfigError, check_ranges, nested_schema, range_of
+
+# Fields with no range: free text (names, paths, addresses) that only the file system, the hub or a later
+# load can judge, and lists of names. The reason is the test's evidence that the field was looked at.
+FREE = {
+    "algo.name": "a preset's label for logs and run names; any text",
+    "model.name": "a preset's label; any text",
+    "model.path": "a directory or hub id: only loading it can tell",
+    "model.tokenizer_path": "a directory or hub id: only loading it can tell",
+    "model.lora.target_modules": "module names of the loaded model; peft reports unknown names when it wraps it",
+    "model.warm_start.cache_dir": "a directory, created on first use",
+    "critic.path": "a directory: only loading it can tell",
+    "hw.name": "a preset's label; any text",
+    "hw.master_addr": "a host name or address: only the rendezvous can tell",
+    "reward.custom": "dotted paths of user functions; their names and shape are checked in rewards.config.validate "
+                     "(CHECKED below), importing them happens in the workers",
+    "data.name": "a preset's label; any text",
+    "data.train_path": "a file or directory: only loading it can tell",
+    "data.eval_path": "a file or directory: only loading it can tell",
+    "data.prompt_key": "a column path of the user's file; the loader reports rows without it",
+    "data.answer_key": "a column path of the user's file; the loader reports rows without it",
+    "data.solution_key": "a column path of the user's file; the loader reports rows without it",
+    "data.template": "a template name or any text with {question}: CHECKED below",
+    "logger.project": "a wandb project name; any text",
+    "ladder.paper": "ladder metadata for tables (a user's --config-dir may add papers); any text",
+    "ladder.rung": "the paper's row name; any text",
+    "ladder.changes": "config keys, checked against the rung's YAML by tests/test_ladder.py",
+    "ladder.base": "a recipe name, resolved by `rlcli ladder`",
+    "resume": "auto or a path: checkpoint.resolve judges it before anything loads (tests/test_checkpoint.py)",
+    "run_dir": "set by Hydra, never by the user (cli._run_dir refuses it on the command line)",
+}
+# Fields outside the generic checker whose wrong values a validate function still names (cross-field rules).
+CHECKED = {
+    "data.template": "fancy",
+    "reward.custom": {"mine": "nodots"},
+}
+
+
+def leaves(cls=Config, prefix=""):
+    for f in dataclasses.fields(cls):
+        sub = nested_schema(f)
+        if sub is not None:
+            yield from leaves(sub, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", f
+
+
+def is_bool(f):
+    return str(f.type) == "bool"
+
+
+def is_int(f):
+    return str(f.type).split(" ")[0] in ("int", "list[int]")
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    c = compose(run_dir="/runs/x")
+    validate(c)
+    return c
+
+
+def bad_values(f):
+    """Values outside the declared range, derived from the bounds (not from the checker under test)."""
+    spec = range_of(f)
+    if spec.choices is not None:
+        return [7] if all(isinstance(c, int) for c in spec.choices) else ["no_such_choice"]
+    step = 1 if is_int(f) else 1e-3
+    out = []
+    if spec.ge is not None:
+        out.append(spec.ge - step)
+    if spec.gt is not None:
+        out += [spec.gt, spec.gt - step]
+    if spec.le is not None:
+        out.append(spec.le + step)
+    if spec.lt is not None:
+        out.append(spec.lt)
+    if spec.ge is not None and spec.ge > 0 or spec.gt is not None and spec.gt >= 0:
+        out += [0, -1]  # zero and negative where invalid
+    if not is_int(f):
+        out += [math.nan, math.inf, -math.inf]
+    return [int(v) if is_int(f) and isinstance(v, float) and math.isfinite(v) else v for v in out]
+
+
+def with_value(cfg, key, value):
+    c = copy.deepcopy(cfg)
+    if key.endswith(("betas", "pass_ks")):
+        value = [value] * (2 if key.endswith("betas") else 1)  # a list's element out of range
+    elif key == "reward.weights":
+        value = {"math_verify": value}
+    with open_dict(c):
+        OmegaConf.update(c, key, value, merge=False)
+    return c
+
+
+def test_every_field_has_a_range_or_a_reason():
+    """Numbers and choices declare their range; free text says why it cannot be wrong; booleans are typed."""
+    missing = [k for k, f in leaves() if range_of(f) is None and not is_bool(f) and k not in FREE]
+    assert not missing, f"fields with neither a declared range (rlcli.schema.rng) nor a reason in FREE: {missing}"
+    stale = [k for k in FREE if k not in dict(leaves()) or range_of(dict(leaves())[k]) is not None]
+    assert not stale, f"FREE names fields that are gone or have a range now: {stale}"
+
+
+@pytest.mark.parametrize("key", [k for k, f in leaves() if range_of(f) is not None])
+def test_an_out_of_range_value_fails_validation_naming_the_field(cfg, key):
+    f = dict(leaves())[key]
+    values = bad_values(f)
+    assert values, f"{key}: a declared range with nothing outside it ({range_of(f)}) belongs in FREE"
+    for value in values:
+        with pytest.raises(ConfigError) as e:
+            validate(with_value(cfg, key, value))
+        assert str(e.value).startswith(f"{key}="), (key, value, str(e.value))
+
+
+@pytest.mark.parametrize("key", list(CHECKED))
+def test_free_fields_with_rules_fail_naming_the_field(cfg, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        validate(with_value(cfg, key, CHECKED[key]))
+
+
+NUMERIC = [(k, f) for k, f in leaves() if range_of(f) is not None and range_of(f).choices is None]
+
+
+@settings(max_examples=300, deadline=None)
+@given(field=st.sampled_from(NUMERIC), data=st.data())
+def test_ranges_accept_exactly_the_finite_values_within_the_bounds(field, data):
+    """Property: for any number, the checker refuses it iff it is non-finite or outside the declared bounds."""
+    key, f = field
+    spec = range_of(f)
+    value = data.draw(st.integers(-(2**40), 2**40) if is_int(f) else st.floats(allow_nan=True, allow_infinity=True))
+    inside = math.isfinite(value) and all((
+        spec.ge is None or value >= spec.ge, spec.gt is None or value > spec.gt,
+        spec.le is None or value <= spec.le, spec.lt is None or value < spec.lt))
+    owner = key.rsplit(".", 1)[0] if "." in key else ""
+    node = with_value(OmegaConf.structured(Config), key, value)
+    node = OmegaConf.select(node, owner) if owner else node
+    schema = Config
+    for part in owner.split(".") if owner else []:
+        schema = nested_schema({g.name: g for g in dataclasses.fields(schema)}[part])
+    try:
+        check_ranges(node, schema, owner + "." if owner else "")
+        refused = None
+    except ConfigError as e:
+        refused = str(e)
+    assert (refused is None) == inside, (key, value, refused)
+    assert refused is None or refused.startswith(f"{key}=")
+
+
+def test_explain_shows_the_ranges():
+    from rlcli.cli import CONF_DIR
+    from rlcli.schema_doc import explain
+
+    text = explain("rollout", CONF_DIR)
+    assert "Valid: >= 1." in next(line for line in text.splitlines() if line.startswith("rollout.prompts_per_step "))
+    assert "Valid: one of: hf, vllm." in text
