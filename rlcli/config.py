@@ -77,7 +77,11 @@ class ModelConfig:
     name: str = "tiny"
     """Preset name, for logs and run names."""
     path: str | None = None
-    """A local directory or hub id loaded with AutoModelForCausalLM; null = the embedded tiny model (warm-started)."""
+    """A local directory or hub id loaded with AutoModelForCausalLM; null = the embedded tiny model (warm-started),
+    or the model.gguf_file."""
+    gguf_file: str | None = None
+    """A local GGUF file (or pkg:<package>/<file> inside an installed package), converted once into rlcli's cache
+    as a Hugging Face directory, keyed by the file's content (rlcli/models/gguf.py); used when model.path is null."""
     tokenizer_path: str | None = None
     """Tokenizer location if it differs from `path`."""
     dtype: str = rng("float32", choices=MODEL_DTYPES)

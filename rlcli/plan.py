@@ -64,13 +64,13 @@ class Arch:
 def arch_of(model_cfg: Any) -> Arch:
     """The architecture of `model_cfg`'s policy, read without loading weights: a local model.path's config.json,
     else model.arch (hub ids; presets ship it), else model.tiny (model.path null)."""
-    if model_cfg.path is None:
+    if model_cfg.path is None and model_cfg.gguf_file is None:
         from rlcli.models.config import CHARS, SPECIAL_TOKENS
 
         t = model_cfg.tiny
         return Arch(t.hidden_size, t.num_layers, t.intermediate_size, len(SPECIAL_TOKENS) + len(CHARS), t.num_heads,
                     t.num_heads, t.hidden_size // t.num_heads, t.tie_word_embeddings, False, "model.tiny")
-    config_file = os.path.join(model_cfg.path, "config.json")
+    config_file = os.path.join(model_cfg.path, "config.json") if model_cfg.path else ""
     if os.path.isfile(config_file):
         with open(config_file) as f:
             c = json.load(f)
@@ -249,7 +249,8 @@ def prompt_tokens(cfg: Any) -> tuple[int, str]:
     """Longest prompt, in tokens: data.max_prompt_len bounds it (longer prompts are dropped); the embedded arith
     task with its character tokenizer and the plain template has an exact, smaller bound."""
     d = cfg.data
-    if d.source == "arith" and cfg.model.path is None and d.template == "question" and d.chat != "always":
+    tiny = cfg.model.path is None and cfg.model.gguf_file is None
+    if d.source == "arith" and tiny and d.template == "question" and d.chat != "always":
         from rlcli.data.arith import make_example
 
         longest = 10**d.max_digits - 1

@@ -25,6 +25,7 @@ FREE = {
     "model.name": "a preset's label; any text",
     "model.path": "a directory or hub id: only loading it can tell",
     "model.tokenizer_path": "a directory or hub id: only loading it can tell",
+    "model.gguf_file": "a file or pkg:<package>/<file>: only finding it can tell",
     "model.lora.target_modules": "module names of the loaded model; peft reports unknown names when it wraps it",
     "model.warm_start.cache_dir": "a directory, created on first use",
     "critic.path": "a directory: only loading it can tell",

@@ -34,9 +34,14 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
 
 
 def resolve_model_path(model_cfg: Any, data_cfg: Any) -> tuple[str, str]:
-    """(path, how it was obtained). null path = the embedded tiny model, warm-started and cached."""
+    """(path, how it was obtained). null path = model.gguf_file converted (cached), else the embedded tiny model,
+    warm-started and cached."""
     if model_cfg.path:
         return model_cfg.path, "from model.path"
+    if model_cfg.gguf_file:
+        from rlcli.models.gguf import converted
+
+        return converted(model_cfg.gguf_file), f"converted from {model_cfg.gguf_file} (cached)"
     from rlcli.sft import warm_start
 
     tiny, ws = as_objects(model_cfg.tiny, model_cfg.warm_start)

