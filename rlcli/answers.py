@@ -12,8 +12,13 @@ Rules (:func:`extract_final_answer`):
 - an ``Answer:`` line loses surrounding ``*``, a final ``.`` and one pair of ``$``/``$$`` delimiters
   that enclose all of it (``**Answer:** $7$.`` -> ``7``; ``$1$ or $2$`` keeps its dollars); a box's
   content is only stripped of whitespace;
-- a response without either form, or whose final answer is empty, has no answer (None), even if a
-  bare number appears in it: RL must not reward an answer the model did not commit to;
+- by default (``answer_format="boxed"``) a response without either form, or whose final answer is empty, has
+  no answer (None), even if a bare number appears in it: RL must not reward an answer the model did not
+  commit to;
+- with ``answer_format="last_number"`` (for tasks that ask for the number alone, e.g. "Reply with only the
+  number"), a response without either form answers with its last number (``-12``, ``1,234``, ``3.5``; commas
+  dropped): "78", "The answer is 78." and "63 + 15 = 78" all answer 78. A box or an ``Answer:`` line still
+  wins, and the rules above hold for it;
 - braces nested deeper than :data:`MAX_BRACE_DEPTH` anywhere in the text raise
   :class:`MalformedResponse` (the reward counts it in ``reward/errors`` and scores 0);
   :func:`extract_final_answer_or_none` maps that to None, for callers that must not fail (maj@k).
@@ -38,6 +43,11 @@ _ANSWER_LINE = re.compile(
 _BRACE_TOKEN = re.compile(r"\\.|[{}]", re.DOTALL)  # an escaped char (\{, \}, \\) or a brace
 # One $...$ or $$...$$ span that is the whole answer: no unescaped $ inside.
 _MATH_SPAN = re.compile(r"\$\$((?:[^$\\]|\\.)+)\$\$|\$((?:[^$\\]|\\.)+)\$", re.DOTALL)
+
+
+_NUMBER = re.compile(r"(?<![\w.])-?\d{1,3}(?:,\d{3})+(?:\.\d+)?(?![\w])|(?<![\w.])-?\d+(?:\.\d+)?(?![\w])")
+ANSWER_FORMATS = ("boxed", "last_number")
+"""How a response states its final answer (reward.answer_format): a box or an Answer: line | also a last number."""
 
 
 class MalformedResponse(ValueError):
@@ -104,7 +114,7 @@ def last_boxed(text: str) -> str | None:
     return (content.strip() or None) if content is not None else None
 
 
-def extract_final_answer(text: str) -> str | None:
+def extract_final_answer(text: str, answer_format: str = "boxed") -> str | None:
     """The final answer's text (module docstring), or None if `text` gives none.
 
     Raises MalformedResponse when braces are nested deeper than MAX_BRACE_DEPTH.
@@ -116,6 +126,8 @@ def extract_final_answer(text: str) -> str | None:
         answer = _box_content(text, box.end())
     elif line is not None:
         answer = _clean_answer_line(line.group(1))
+    elif answer_format == "last_number" and (number := _last(_NUMBER, text)) is not None:
+        return number.group(0).replace(",", "")
     else:
         return None
     if answer is None or not answer.strip():
@@ -123,10 +135,10 @@ def extract_final_answer(text: str) -> str | None:
     return answer.strip()
 
 
-def extract_final_answer_or_none(text: str) -> str | None:
+def extract_final_answer_or_none(text: str, answer_format: str = "boxed") -> str | None:
     """:func:`extract_final_answer`, with None where it raises MalformedResponse (the reward scores
     such a response 0 with no answer, so it must not vote in maj@k either)."""
     try:
-        return extract_final_answer(text)
+        return extract_final_answer(text, answer_format)
     except MalformedResponse:
         return None

@@ -38,7 +38,7 @@ def sample_and_verify(
                 "prompt": e["prompt"],
                 "answer": e["answer"],
                 "responses": [b.texts[j] for j in rows],
-                "answers": [extract_final_answer_or_none(b.texts[j]) for j in rows],  # what the reward read
+                "answers": [extract_final_answer_or_none(b.texts[j], rewards.cfg.answer_format) for j in rows],  # as the reward read them
                 "correct": [bool(out.acc[j] > 0.5) for j in rows],
                 "response_length": [lengths[j] for j in rows],
                 "truncated": [bool(truncated[j]) for j in rows],

@@ -72,6 +72,39 @@ def test_extract_final_answer(response, answer):
     assert extract_final_answer(response) == answer
 
 
+@pytest.mark.parametrize(
+    "response, answer",
+    [
+        ("78", "78"),
+        ("The answer is 78.", "78"),
+        ("63 + 15 = 78", "78"),
+        ("It is -12", "-12"),
+        ("1,234 apples", "1234"),
+        ("about 3.5", "3.5"),
+        ("5 or \\boxed{6}", "6"),  # a box still wins
+        ("Answer: 9\nbut 10", "9"),  # and so does an Answer: line
+        ("no number here", None),
+        ("x2 and v1.5", None),  # digits inside words are not numbers
+    ],
+)
+def test_last_number_mode_reads_a_plain_final_answer(response, answer):
+    """reward.answer_format=last_number, for tasks that ask for the number alone; boxed mode ignores them."""
+    assert extract_final_answer(response, "last_number") == answer
+    if "boxed" not in response and "Answer" not in response:
+        assert extract_final_answer(response) is None
+
+
+def test_last_number_mode_scores_plain_answers_and_keeps_the_sandbox():
+    """The issue's three replies to "What is 63 + 15?" score 1 with last_number and 0 by default; hostile
+    output is still refused in both modes."""
+    replies = ["78", "The answer is 78.", "63 + 15 = 78", "\\boxed{" * 100 + "1" + "}" * 100]
+    for fmt, acc in (("last_number", [1.0, 1.0, 1.0, 0.0]), ("boxed", [0.0, 0.0, 0.0, 0.0])):
+        with RewardManager(RewardConfig(timeout_s=TIMEOUT, answer_format=fmt, num_workers=1)) as manager:
+            out = manager(replies, ["78"] * 4)
+        assert out.acc.tolist() == acc, fmt
+        assert out.metrics["reward/errors"] == 1  # the deep nesting: refused unparsed
+
+
 def test_extraction_rejects_deep_nesting():
     with pytest.raises(MalformedResponse, match="nested deeper"):
         extract_final_answer("\\boxed{" * 100 + "1" + "}" * 100)

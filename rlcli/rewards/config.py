@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlcli.answers import ANSWER_FORMATS
 from rlcli.rewards.functions import REWARDS
 from rlcli.schema import ConfigError, check_ranges, rng
 
@@ -53,12 +54,17 @@ class RewardConfig:
     """Sandbox worker processes (each imports math-verify once, ~1 s, and is reused)."""
     memory_mb: int = rng(2048, ge=256, why="a worker needs ~100 MiB to import math-verify")
     """Address-space cap per worker process (RLIMIT_AS), in MiB."""
+    answer_format: str = rng("boxed", choices=ANSWER_FORMATS)
+    """How responses state their final answer (rlcli/answers.py): boxed (a \\boxed{} or an `Answer:` line, else
+    none) | last_number (also the last number of a reply, for tasks that ask for the number alone). Data presets
+    set it; evaluation's maj@k reads answers the same way."""
     max_response_chars: int = rng(100_000, ge=1)
     """Longer responses (or ground truths) are rejected unparsed and count as errors (20k tokens fit)."""
 
     def function_options(self) -> dict[str, Any]:
         """The keyword options every built-in reward function receives."""
-        return {"length_target": self.length_target, "length_scale": self.length_scale}
+        return {"length_target": self.length_target, "length_scale": self.length_scale,
+                "answer_format": self.answer_format}
 
 
 def group_base() -> RewardConfig:

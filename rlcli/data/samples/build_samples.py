@@ -9,6 +9,8 @@ tested offline, but the rows are original problems written for rlcli (not copied
   math.jsonl             MATH (Hendrycks et al.): problem, level, type, solution (ends in \\boxed{})
   math500.jsonl          MATH-500: problem, solution, answer, subject, level, unique_id
   aime.parquet           AIME-style: id, problem, solution, answer (int64)
+  chat_add.jsonl         natural-language additions for chat models (data=chat_add): question, answer;
+                         all 100 one-digit pairs and 900 seeded two-digit ones
 
 Parquet needs pyarrow. Every file is plain ASCII, so the embedded character tokenizer reads it.
 """
@@ -290,6 +292,16 @@ def dapo_rows() -> list[dict]:
     ]
 
 
+def chat_add_rows() -> list[dict]:
+    """Addition in words with an answer-only instruction: what a small chat model gets right sometimes."""
+    import random
+
+    rng = random.Random(0)
+    pairs = [(a, b) for a in range(10) for b in range(10)]
+    pairs += [(rng.randint(10, 99), rng.randint(10, 99)) for _ in range(900)]
+    return [{"question": f"What is {a} + {b}? Reply with only the number.", "answer": str(a + b)} for a, b in pairs]
+
+
 def main() -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -305,6 +317,7 @@ def main() -> None:
     )
     pq.write_table(pa.Table.from_pylist(dapo_rows(), schema=dapo_schema), HERE / "dapo_math_17k.parquet")
     _write_jsonl("gsm8k.jsonl", [{"question": q, "answer": a} for q, a in GSM8K])
+    _write_jsonl("chat_add.jsonl", chat_add_rows())
     _write_jsonl(
         "math.jsonl", [{"problem": p, "level": lv, "type": t, "solution": s} for p, lv, t, s in MATH]
     )
