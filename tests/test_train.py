@@ -215,7 +215,8 @@ def test_cpu_x2_dynamic_sampling_with_train_on_partial_never_deadlocks(tmp_path,
           "algo=dapo", "steps=2", "save=false", "eval.before=false", "algo.filter_metric=score",
           "rollout.overlong_buffer_len=4", "algo.max_gen_batches=1", "algo.train_on_partial=true",
           "rollout.prompts_per_step=16", "rollout.gen_prompts_per_step=16", "rollout.n=2", "algo.mini_batches=2",
-          f"hydra.run.dir={run}", timeout=300)
+          "rollout.max_new_tokens=24", "+reward.weights.math_verify=1.0",  # the warm model's groups: mixed scores
+          f"hydra.run.dir={run}", timeout=900)  # the first run builds the warm start (minutes on a busy machine)
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "actor/pg_loss" in r]
     assert [r["step"] for r in steps] == [1, 2]
@@ -227,7 +228,8 @@ def test_cpu_x2_dynamic_sampling_with_train_on_partial_never_deadlocks(tmp_path,
     assert (out.stdout + out.stderr).count("warm start: cache hit") >= 2, out.stderr[-3000:]
 
 
-COMMON_X2 = ["steps=3", "eval.before=false", "hw.num_threads=1", "hw.micro_batch=64", *FAST]
+COMMON_X2 = ["steps=3", "eval.before=false", "hw.num_threads=1", "hw.micro_batch=64", *FAST,
+             "rollout.max_new_tokens=24"]  # rows long enough that ZeRO-3's token budget packs tighter (tested)
 
 
 def train_steps(run):

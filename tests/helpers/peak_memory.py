@@ -15,9 +15,14 @@ import resource
 import sys
 import tempfile
 
+import deepspeed  # noqa: F401  (the runtime, imported before the baseline: torch, transformers, DeepSpeed and
 import psutil
+from transformers import LlamaForCausalLM  # noqa: F401  the modules rlcli imports on first use, which would
 
-import rlcli.trainer  # noqa: F401  (the runtime: torch, transformers, DeepSpeed)
+import rlcli.models.tiny  # noqa: F401  otherwise count as the job's memory)
+import rlcli.models.value  # noqa: F401
+import rlcli.sft  # noqa: F401
+import rlcli.trainer  # noqa: F401
 from rlcli.cli import CONF_DIR, _environment
 from rlcli.config import register_configs, validate
 from rlcli.plan import GIB, estimate
