@@ -172,7 +172,7 @@ def sft_job(cfg: Any) -> None:
 
     _run_dir(cfg)
     if cfg.model.path is not None or cfg.model.gguf_file is not None:
-        raise SystemExit("rlcli sft warm-starts the embedded tiny model: leave model.path and model.gguf_file unset")
+        raise SystemExit("rlcli sft warm-starts the embedded tiny model: leave model.path unset (and model.gguf_file)")
     path = warm_start(*as_objects(cfg.model.tiny, cfg.model.warm_start), **warm_start_data(cfg.data))
     print(f"warm-started tiny model: {path}")
     report = Path(path) / "warm_start.json"

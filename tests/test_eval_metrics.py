@@ -180,6 +180,8 @@ def test_eval_per_prompt_answers_use_the_reward_extractor(monkeypatch):
     def rewards(responses, ground_truths):
         return SimpleNamespace(acc=torch.zeros(len(responses)))
 
+    rewards.cfg = SimpleNamespace(answer_format="boxed")  # what a RewardManager carries
+
     engine = SimpleNamespace(generate=fake_generate)
     per_prompt = rlcli.eval.sample_and_verify(engine, examples, eval_cfg, rollout_cfg, rewards)
     got = [a for p in per_prompt for a in p["answers"]]

@@ -75,7 +75,7 @@ def _parse_gold(ground_truth: str) -> tuple[Any, ...]:
 
 
 @REWARDS.register("math_verify")
-def math_verify_reward(response: str, ground_truth: str, *, answer_format: str, **options: Any) -> float:
+def math_verify_reward(response: str, ground_truth: str, *, answer_format: str = "boxed", **options: Any) -> float:
     """acc ∈ {0, 1}: the final answer (read as reward.answer_format says) equals the ground truth according
     to math-verify."""
     from math_verify import verify
@@ -91,7 +91,7 @@ def math_verify_reward(response: str, ground_truth: str, *, answer_format: str, 
 
 
 @REWARDS.register("format")
-def format_reward(response: str, ground_truth: str, *, answer_format: str, **options: Any) -> float:
+def format_reward(response: str, ground_truth: str, *, answer_format: str = "boxed", **options: Any) -> float:
     """1 if the response ends with a usable final answer (a closed, non-empty last box or a non-empty
     last ``Answer:`` line, whichever comes later: :func:`rlcli.answers.extract_final_answer`), else 0."""
     return 1.0 if extract_final_answer(response, answer_format) is not None else 0.0
