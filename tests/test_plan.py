@@ -108,7 +108,7 @@ def test_param_count_equals_the_real_models():
     for tiny in (TinyModelConfig(), TinyModelConfig(hidden_size=512, num_layers=8, num_heads=8, intermediate_size=2048,
                                                     tie_word_embeddings=False)):
         real = sum(p.numel() for p in build_tiny_model(tiny, tok, 0).parameters())
-        assert param_count(arch_of(SimpleNamespace(path=None, tiny=tiny))) == real
+        assert param_count(arch_of(SimpleNamespace(path=None, gguf_file=None, tiny=tiny))) == real
     for preset, shape in (("qwen2.5-0.5b", QWEN25_05B), ("qwen2.5-32b", None)):
         arch = arch_of(compose(f"model={preset}").model)
         if shape is None:  # the 32B preset's own numbers, built on the meta device (no memory)
@@ -120,6 +120,7 @@ def test_param_count_equals_the_real_models():
         assert param_count(arch) == real
     assert param_count(arch_of(compose("model=qwen2.5-0.5b").model)) == 494_032_768  # card: 0.49B
     assert param_count(arch_of(compose("model=qwen2.5-32b").model)) == 32_763_876_352  # card: 32.5B
+    assert param_count(arch_of(compose("model=smollm2-135m").model)) == 134_515_008  # the converted GGUF's count
 
 
 def test_lora_count_and_local_config_json(tmp_path):
