@@ -13,6 +13,7 @@ def main() -> None:
     from rlcli.trainer import Trainer
 
     _environment()
+    _log_like_the_launcher()
     cfg = load_frozen(sys.argv[1])
     try:
         with stop_on_disk_full(cfg):
@@ -20,6 +21,19 @@ def main() -> None:
     except ConfigError as e:  # a full disk: one line, like the launcher's own errors
         print(f"rlcli: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from e
+
+
+def _log_like_the_launcher() -> None:
+    """rlcli's own INFO messages (cache hits, conversions) in the format Hydra gives the launcher's, with the
+    rank: a worker is a plain script, so without this they would be dropped."""
+    import logging
+    import os
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(f"[%(asctime)s][%(name)s][rank {os.environ.get('RANK', '0')}] %(message)s"))
+    log = logging.getLogger("rlcli")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
 
 
 if __name__ == "__main__":
