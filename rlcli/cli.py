@@ -80,12 +80,14 @@ def train_job(cfg: Any) -> dict[str, Any] | None:
 
     from rlcli import checkpoint
     from rlcli.config import validate
-    from rlcli.plan import check_fits
+    from rlcli.plan import check_fits, fits_line
 
     _run_dir(cfg)
     validate(cfg)
-    check_fits(cfg)  # the memory estimate (`rlcli plan`), before anything is loaded
     checkpoint.check_space(cfg)  # room for one checkpoint, before anything is loaded
+    plan = check_fits(cfg)  # the memory plan (`rlcli plan`) on the data's real lengths, before any weights load
+    if plan is not None:
+        print(fits_line(plan), flush=True)
     resume = checkpoint.resolve(cfg.resume, cfg.run_dir)
     if resume is not None:
         checkpoint.check_compatible(resume, cfg)

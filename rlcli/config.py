@@ -128,7 +128,9 @@ class RolloutConfig:
     gen_batch_size: int = rng(128, ge=1)
     """Memory only: sequences per generate call (hf engine; vLLM schedules its own batches)."""
     tensor_parallel_size: int = rng(1, ge=1)
-    """vllm: GPUs each rollout engine shards the model over (1 = one engine per training process)."""
+    """vllm: ranks (GPUs) each rollout engine shards the model over (Megatron-style tensor parallelism): each k
+    consecutive ranks of a node form one engine through vLLM's external launcher, inside the training job; it
+    must divide hw.nproc (1 = one engine per training process). README, "Scaling up"."""
     gpu_memory_utilization: float = rng(0.4, gt=0, lt=1)
     """vllm on GPU: share of the device's memory the engine may take for weights and KV cache; the rest is the
     trainer's (colocated: both live on every GPU)."""
@@ -192,9 +194,11 @@ class HWConfig:
     micro_batch: int = rng(32, ge=1)
     """Memory only: at most this many trajectories per forward/backward micro-batch (rows are packed
     longest first and each micro-batch is trimmed of all-padding columns; perf/padding_frac)."""
-    max_tokens_per_micro_batch: int | None = rng(None, ge=1)
-    """Memory only: also cap a micro-batch's token slots, rows x (longest prompt + longest response)
-    (null = no cap)."""
+    max_tokens_per_micro_batch: int | str | None = rng("auto", ge=1, also=("auto",))
+    """Memory only: also cap a micro-batch's token slots, rows x (longest prompt + longest response).
+    auto = the largest budget whose activations fit the device beside the model states, from the memory plan
+    (`rlcli plan`, docs/memory.md) with the longest prompt measured in the data; no cap when hw.micro_batch rows
+    fit; printed at start-up. null = no cap."""
     logits_chunk: int = rng(256, ge=0, why="0 = the whole sequence at once")
     """Memory only: response positions per chunk of the vocabulary projection in the log-prob and entropy
     passes, recomputed in backward; the fp32 logits alive at once are [rows, chunk, vocab] (0 = the whole
@@ -467,6 +471,12 @@ def validate_switches(cfg: Any) -> None:
     if r.sleep_mode and r.engine != "vllm":
         raise ConfigError(f"rollout.sleep_mode=true puts a vLLM engine to sleep during the update, but rollout.engine="
                           f"{r.engine} has none: set rollout.engine=vllm, or rollout.sleep_mode=false")
+    if r.tensor_parallel_size > 1 and r.engine != "vllm":
+        raise ConfigError(f"rollout.tensor_parallel_size={r.tensor_parallel_size} shards a vLLM engine over ranks, but "
+                          f"rollout.engine={r.engine}: set rollout.engine=vllm, or rollout.tensor_parallel_size=1")
+    if cfg.hw.nproc % r.tensor_parallel_size:
+        raise ConfigError(f"rollout.tensor_parallel_size={r.tensor_parallel_size} must divide hw.nproc={cfg.hw.nproc}: "
+                          "each engine is a group of consecutive ranks of one node")
     if r.gen_prompts_per_step is not None and not a.dynamic_sampling:
         raise ConfigError(f"rollout.gen_prompts_per_step={r.gen_prompts_per_step} sizes dynamic sampling's generation "
                           "batches, but algo.dynamic_sampling=false: set algo.dynamic_sampling=true (algo=dapo), or "

@@ -219,7 +219,7 @@ class Learner:
         groups = batch.groups
         engines = {"actor": self.actor if phase.trains_actor else None, "critic": self.critic}
         sums: dict[str, float] = defaultdict(float)
-        n_updates, slots, real = 0, 0, 0.0  # token slots of the micro-batches, and real tokens among them
+        n_updates, n_micro, slots, real = 0, 0, 0, 0.0  # micro-batches, their token slots, real tokens among them
         for engine in engines.values():
             if engine is not None:
                 engine.train()
@@ -233,6 +233,7 @@ class Learner:
                 mb = batch.select_groups(mb_groups)
                 norms = self.normalizers(mb)
                 micro = self.micro_batches(mb)
+                n_micro += len(micro)
                 mb_sums: dict[str, float] = defaultdict(float)
                 for i, idx in enumerate(micro):
                     mbi, last = mb.select(idx).trimmed(), i == len(micro) - 1
@@ -261,8 +262,9 @@ class Learner:
                         sums[f"{name}/skipped_steps"] += 0.0 if res.applied else 1.0
                 n_updates += 1
         metrics = {k: v if k.endswith(("_max", "skipped_steps")) else v / max(n_updates, 1) for k, v in sums.items()}
-        slots_all, real_all = all_reduce(torch.tensor([float(slots), real], dtype=torch.float64)).tolist()
+        slots_all, real_all, micro_all = all_reduce(torch.tensor([float(slots), real, n_micro], dtype=torch.float64)).tolist()
         metrics["perf/padding_frac"] = 1.0 - real_all / max(slots_all, 1.0)
+        metrics["perf/micro_batches"] = micro_all / self.units.world / max(n_updates, 1)
         metrics.update({f"{name}/lr": engine.lr() for name, engine in engines.items() if engine is not None})
         return metrics
 

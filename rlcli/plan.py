@@ -256,7 +256,32 @@ def prompt_tokens(cfg: Any) -> tuple[int, str]:
         longest = 10**d.max_digits - 1
         n = max(len(make_example(longest, longest, op)["prompt"]) for op in "+-")
         return min(n, d.max_prompt_len), "arith prompt at data.max_digits (1 char = 1 token)"
-    return d.max_prompt_len, "data.max_prompt_len"
+    return d.max_prompt_len, "data.max_prompt_len, a bound: `rlcli train` measures the data's longest prompt"
+
+
+def longest_prompt(tokenizer: Any, examples: list[dict[str, str]]) -> tuple[int, str]:
+    """The longest of `examples`' prompts in tokens, encoded as the rollout engines encode them
+    (rlcli.rollout.hf.encode_prompts: no special tokens added; a chat template is already rendered)."""
+    lengths = [len(ids) for ids in tokenizer([e["prompt"] for e in examples], add_special_tokens=False)["input_ids"]]
+    return max(lengths), f"measured: the longest of {len(lengths)} train and eval prompts"
+
+
+def measure_prompts(cfg: Any) -> tuple[int, str]:
+    """longest_prompt over the run's train and eval splits, read as the trainer reads them (template, chat
+    template, data.max_prompt_len filter) with the run's tokenizer; no weights are loaded (a GGUF file is
+    converted first: its tokenizer lives in the conversion)."""
+    import logging
+
+    from rlcli.data import load_split
+    from rlcli.models import load_tokenizer, tokenizer_source
+
+    tokenizer = load_tokenizer(tokenizer_source(cfg.model), cfg.model.trust_remote_code)
+    logging.disable(logging.WARNING)  # the trainer reports the load (kept, dropped, bad rows) when it reads it
+    try:
+        examples = [e for split in ("train", "eval") for e in load_split(cfg.data, split, cfg.seed, tokenizer=tokenizer)[0]]
+    finally:
+        logging.disable(logging.NOTSET)
+    return longest_prompt(tokenizer, examples)
 
 
 def device_memory(hw: Any) -> tuple[float | None, str]:
@@ -275,8 +300,40 @@ def device_memory(hw: Any) -> tuple[float | None, str]:
     return None, "unknown: no CUDA device here; set hw.device_memory_gb"
 
 
-def estimate(cfg: Any) -> Plan:
-    """The per-device memory plan of a composed config (see the module docstring)."""
+BUDGET = "hw.max_tokens_per_micro_batch"
+
+
+def estimate(cfg: Any, prompt: tuple[int, str] | None = None) -> Plan:
+    """The per-device memory plan of a composed config (see the module docstring). `prompt`: the longest prompt
+    in tokens and where that number comes from (measure_prompts); None = the bound prompt_tokens gives.
+    hw.max_tokens_per_micro_batch=auto is planned at the budget auto_budget chooses."""
+    prompt = prompt or prompt_tokens(cfg)
+    budget = cfg.hw.max_tokens_per_micro_batch
+    if budget == "auto":
+        return auto_budget(cfg, prompt)
+    return _estimate(cfg, prompt, budget, f"{BUDGET}={budget}" if budget else "no token cap")
+
+
+def auto_budget(cfg: Any, prompt: tuple[int, str]) -> Plan:
+    """hw.max_tokens_per_micro_batch=auto: the plan at the largest token budget, a whole number of the longest
+    rows (prompt + rollout.max_new_tokens), whose peak fits the device: no cap when hw.micro_batch rows fit (or
+    the device's memory is unknown), one row when nothing fits (check_fits then refuses). Activations grow with
+    the tokens of a micro-batch, the model states not at all, so the search is over rows."""
+    whole = _estimate(cfg, prompt, None, "auto: no cap needed, hw.micro_batch rows fit")
+    if whole.device is None or whole.fits:
+        if whole.device is None:
+            whole.shape["budget_note"] = "auto: no cap, the device's memory is unknown"
+        return whole
+    seq, low, high = whole.shape["seq"], 1, whole.shape["micro_rows"] - 1
+    if not _estimate(cfg, prompt, seq, "").fits:
+        return _estimate(cfg, prompt, seq, f"auto: not even one row of {seq} tokens fits")
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if _estimate(cfg, prompt, mid * seq, "").fits else (low, mid - 1)
+    return _estimate(cfg, prompt, low * seq, f"auto: {low} rows of {seq} tokens, the most that fit")
+
+
+def _estimate(cfg: Any, prompt: tuple[int, str], budget: int | None, budget_note: str) -> Plan:
     from rlcli.config import units, world_size
     from rlcli.names import NEEDS_VALUES
 
@@ -339,12 +396,12 @@ def estimate(cfg: Any) -> Plan:
     # The update: micro-batches of at most hw.micro_batch rows of the per-rank mini-batch, capped in tokens.
     u = units(cfg)
     p, g = u.P, u.G
-    tp, tp_note = prompt_tokens(cfg)
+    tp, tp_note = prompt
     seq = tp + r.max_new_tokens
     mini_rows = max(1, p // world // a.mini_batches * g)
     mb = min(hw.micro_batch, mini_rows)
-    if hw.max_tokens_per_micro_batch:
-        mb = max(1, min(mb, hw.max_tokens_per_micro_batch // seq))
+    if budget:
+        mb = max(1, min(mb, budget // seq))
     rows["activations"] = activation_bytes(arch, mb, seq, act_bytes, m.gradient_checkpointing)
     notes["activations"] = (f"[{mb} rows, {seq} tokens], "
                             f"{'gradient checkpointing' if m.gradient_checkpointing else 'no checkpointing'}")
@@ -381,7 +438,7 @@ def estimate(cfg: Any) -> Plan:
     update = rows["activations"] + rows["logits chunk"] + (rows[ROLLOUT] if resident else 0.0)
     peak = static + max(update, rows[ROLLOUT])
     shape = {"psi": psi, "trainable": trainable, "world": world, "micro_rows": mb, "seq": seq, "prompt": tp,
-             "prompt_note": tp_note, "gen_rows": gen_rows, "arch": arch, "phase": "update" if update >= rows[
+             "prompt_note": tp_note, "budget": budget, "budget_note": budget_note, "gen_rows": gen_rows, "arch": arch, "phase": "update" if update >= rows[
                  ROLLOUT] else "rollout", "resident": resident}
     return Plan(rows, notes, peak, dev, dev_note, host, shape)
 
@@ -402,17 +459,16 @@ def with_overrides(cfg: Any, overrides: dict[str, Any]) -> Any:
     return new
 
 
-def _fits(cfg: Any, device: float) -> bool:
-    return estimate(cfg).peak <= device
-
-
-def _largest(cfg: Any, key: str, high: int, device: float, low: int = 1) -> int | None:
+def _largest(cfg: Any, key: str, high: int, device: float, prompt: tuple[int, str], low: int = 1) -> int | None:
     """The largest integer value of `key` in [low, high] whose plan fits (the estimate grows with it)."""
-    if not _fits(with_overrides(cfg, {key: low}), device):
+    def fits(value: int) -> bool:
+        return estimate(with_overrides(cfg, {key: value}), prompt).peak <= device
+
+    if not fits(low):
         return None
     while low < high:
         mid = (low + high + 1) // 2
-        if _fits(with_overrides(cfg, {key: mid}), device):
+        if fits(mid):
             low = mid
         else:
             high = mid - 1
@@ -426,6 +482,7 @@ def fixes(cfg: Any, plan: Plan) -> list[tuple[dict[str, Any], float, str]]:
         return []
     hw, m, r = cfg.hw, cfg.model, cfg.rollout
     dev, s = plan.device, plan.shape
+    prompt = (s["prompt"], s["prompt_note"])
     gpu = hw.device != "cpu"
     out: list[tuple[dict[str, Any], str]] = []
     if s["world"] > 1:
@@ -440,7 +497,7 @@ def fixes(cfg: Any, plan: Plan) -> list[tuple[dict[str, Any], float, str]]:
     if not m.gradient_checkpointing:
         out.append(({"model.gradient_checkpointing": True}, "about 1/3 more compute in the update"))
     if s["micro_rows"] > 1:
-        best = _largest(cfg, "hw.micro_batch", s["micro_rows"] - 1, dev)
+        best = _largest(cfg, "hw.micro_batch", s["micro_rows"] - 1, dev, prompt)
         if best is not None:
             out.append(({"hw.micro_batch": best}, "more, smaller forward/backward passes"))
         else:
@@ -456,7 +513,7 @@ def fixes(cfg: Any, plan: Plan) -> list[tuple[dict[str, Any], float, str]]:
     if r.engine == "vllm" and gpu and not r.sleep_mode:
         out.append(({"rollout.sleep_mode": True}, "the engine sleeps while the actor updates: wake-up each step"))
     if r.engine == "hf" and s["gen_rows"] > 1:
-        best = _largest(cfg, "rollout.gen_batch_size", s["gen_rows"] - 1, dev)
+        best = _largest(cfg, "rollout.gen_batch_size", s["gen_rows"] - 1, dev, prompt)
         out.append(({"rollout.gen_batch_size": best or 1}, "more, smaller generate calls"))
     if not m.lora.r:
         out.append(({"model.lora.r": 16, **({"hw.zero_stage": 2, "hw.offload_params": False}
@@ -467,7 +524,7 @@ def fixes(cfg: Any, plan: Plan) -> list[tuple[dict[str, Any], float, str]]:
                 "shorter responses: a different experiment"))
     if gpu:
         out.append(({"hw.nnodes": hw.nnodes * 2}, "twice the GPUs (rollout.prompts_per_step must divide)"))
-    tried = [(o, estimate(with_overrides(cfg, o)).peak, why) for o, why in out]
+    tried = [(o, estimate(with_overrides(cfg, o), prompt).peak, why) for o, why in out]
     return [t for t in tried if t[1] < plan.peak]  # only changes that lower the peak
 
 
@@ -477,20 +534,21 @@ def combined_fix(cfg: Any, plan: Plan) -> tuple[dict[str, Any], float] | None:
         return None
     applied: dict[str, Any] = {}
     current = cfg
+    prompt = (plan.shape["prompt"], plan.shape["prompt_note"])
     for overrides, _, why in fixes(cfg, plan):
         if "experiment" in why or "GPUs" in why:
             continue
         trial = with_overrides(current, overrides)
-        if estimate(trial).peak < estimate(current).peak:
+        if estimate(trial, prompt).peak < estimate(current, prompt).peak:
             current, applied = trial, {**applied, **overrides}
             # micro-batch and generate sizes were chosen for the original config: re-fit them to this one
             for key, high in (("hw.micro_batch", cfg.hw.micro_batch), ("rollout.gen_batch_size", cfg.rollout.gen_batch_size)):
                 if key in applied:
-                    best = _largest(with_overrides(current, {key: 1}), key, high, plan.device)
+                    best = _largest(with_overrides(current, {key: 1}), key, high, plan.device, prompt)
                     if best is not None:
                         current, applied[key] = with_overrides(current, {key: best}), best
-            if estimate(current).peak <= plan.device:
-                return applied, estimate(current).peak
+            if estimate(current, prompt).peak <= plan.device:
+                return applied, estimate(current, prompt).peak
     return None
 
 
@@ -503,7 +561,8 @@ def render(cfg: Any, plan: Plan, with_fixes: bool = True) -> str:
         f"{arch.hidden}, vocab {arch.vocab}; from {arch.source}) hw={hw.name} ({s['world']} x {hw.device}, "
         f"ZeRO-{hw.zero_stage}, {hw.precision}) algo={cfg.algo.name}",
         f"tokens per row: prompt {s['prompt']} ({s['prompt_note']}) + response {cfg.rollout.max_new_tokens} "
-        "(rollout.max_new_tokens)",
+        "(rollout.max_new_tokens, a bound)",
+        f"update micro-batch: {s['micro_rows']} rows ({budget_text(plan)})",
         "",
         f"  {'':<18}{'GiB':>9}",
     ]
@@ -537,21 +596,56 @@ def _overrides_text(overrides: dict[str, Any]) -> str:
     return " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in overrides.items())
 
 
-def check_fits(cfg: Any) -> None:
-    """`rlcli train`'s check before loading anything: refuse a job whose estimate exceeds the device memory."""
-    if not cfg.hw.check_memory:
-        return
-    plan = estimate(cfg)
-    if plan.fits is False:
+def budget_text(plan: Plan) -> str:
+    """The micro-batch token budget and why: '<= 264 tokens (auto: 4 rows of 66 tokens, the most that fit)'."""
+    s = plan.shape
+    return (f"<= {s['budget']} tokens, " if s["budget"] else "") + s["budget_note"]
+
+
+def fix_budget(cfg: Any, prompt: tuple[int, str]) -> Plan:
+    """The plan with the longest prompt `prompt`; hw.max_tokens_per_micro_batch=auto is set (in `cfg`) to the
+    budget it chose, a number of tokens or null (no cap)."""
+    plan = estimate(cfg, prompt)
+    if cfg.hw.max_tokens_per_micro_batch == "auto":
+        from omegaconf import open_dict
+
+        with open_dict(cfg):
+            cfg.hw.max_tokens_per_micro_batch = plan.shape["budget"]
+    return plan
+
+
+def check_fits(cfg: Any) -> Plan | None:
+    """`rlcli train`'s memory step before any weights load: measure the data's longest prompt (the tokenizer and
+    the prompts are read), plan with it, fix hw.max_tokens_per_micro_batch=auto to the budget that fits (the
+    frozen config and every rank then use that number), and refuse a job whose estimate still exceeds the
+    device's memory (with auto: not even one row per micro-batch fits) unless hw.check_memory=false. None when
+    there is nothing to do (the check off and an explicit budget)."""
+    if not cfg.hw.check_memory and cfg.hw.max_tokens_per_micro_batch != "auto":
+        return None
+    plan = fix_budget(cfg, measure_prompts(cfg))
+    if cfg.hw.check_memory and plan.fits is False:
         print(render(cfg, plan) + "\n", file=sys.stderr, flush=True)  # the breakdown and the fixes, then the error
         from rlcli.schema import ConfigError
 
+        auto = plan.shape["budget_note"].startswith("auto")
         raise ConfigError(
-            f"the estimated peak memory per device, {plan.peak / GIB:.2f} GiB, "
-            f"exceeds the device's {plan.device / GIB:.2f} GiB ({plan.device_note}). Apply one of the changes "
+            f"the estimated peak memory per device, {plan.peak / GIB:.2f} GiB"
+            + (f" with one row of {plan.shape['seq']} tokens per micro-batch (hw.max_tokens_per_micro_batch=auto "
+               "found no budget that fits)" if auto else "")
+            + f", exceeds the device's {plan.device / GIB:.2f} GiB ({plan.device_note}). Apply one of the changes "
             "above; or set hw.device_memory_gb if the device has more; or hw.check_memory=false to train anyway "
             "(docs/memory.md explains the estimate)."
         )
+    return plan
+
+
+def fits_line(plan: Plan) -> str:
+    """The start-up summary's memory line."""
+    s = plan.shape
+    where = "" if plan.device is None else f" of {plan.device / GIB:.2f} GiB ({plan.device_note}): " + (
+        "fits" if plan.fits else "DOES NOT FIT, hw.check_memory=false")
+    return (f"memory plan: peak {plan.peak / GIB:.2f} GiB per device{where}; longest prompt {s['prompt']} tokens "
+            f"({s['prompt_note']}); update micro-batches {budget_text(plan)} (`rlcli plan` shows the table)")
 
 
 HELP = """rlcli plan: per-device memory of a training config, estimated before anything is loaded.

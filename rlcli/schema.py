@@ -40,8 +40,12 @@ class Range:
     why: str = ""
     kind: str = ""
     """What the choices are, for a registry's names (rlcli.names.Names.kind): 'rollout engine'."""
+    also: tuple[str, ...] = ()
+    """Words a numeric field accepts besides its numbers: ('auto',)."""
 
     def ok(self, value: Any) -> bool:
+        if value in self.also:
+            return True
         if self.choices is not None:
             return value in self.choices
         if isinstance(value, bool) or not isinstance(value, int | float):
@@ -70,13 +74,14 @@ class Range:
             self.ge is not None or self.gt is not None) else None
         high = (f"{_num(self.le)}]" if self.le is not None else f"{_num(self.lt)})") if (
             self.le is not None or self.lt is not None) else None
+        words = "".join(f", or {w}" for w in self.also)
         if low and high:
-            return f"in {low}, {high}"
+            return f"in {low}, {high}{words}"
         if low:
-            return f"{'>=' if self.ge is not None else '>'} {low[1:]}"
+            return f"{'>=' if self.ge is not None else '>'} {low[1:]}{words}"
         if high:
-            return f"{'<=' if self.le is not None else '<'} {high[:-1]}"
-        return "a finite number"
+            return f"{'<=' if self.le is not None else '<'} {high[:-1]}{words}"
+        return "a finite number" + words
 
 
 def _num(x: float) -> str:
@@ -85,10 +90,11 @@ def _num(x: float) -> str:
 
 def rng(default: Any = dataclasses.MISSING, *, factory: Callable[[], Any] | None = None, ge: float | None = None,
         gt: float | None = None, le: float | None = None, lt: float | None = None,
-        choices: Iterable[Any] | None = None, why: str = "") -> Any:
-    """A dataclass field with its default (or default `factory`) and its valid range or choices."""
+        choices: Iterable[Any] | None = None, why: str = "", also: tuple[str, ...] = ()) -> Any:
+    """A dataclass field with its default (or default `factory`) and its valid range or choices (`also`: words a
+    numeric field accepts besides numbers)."""
     spec = Range(ge=ge, gt=gt, le=le, lt=lt, choices=tuple(choices) if choices is not None else None, why=why,
-                 kind=getattr(choices, "kind", ""))
+                 kind=getattr(choices, "kind", ""), also=also)
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata={"range": spec})
     return dataclasses.field(default=default, metadata={"range": spec})

@@ -41,6 +41,7 @@ from rlcli.engine.collectives import all_reduce, barrier, gather_objects
 from rlcli.learner import Learner, Phase, rl_phase, value_pretrain_phase
 from rlcli.metrics import MetricsLogger, Timer, peak_mem_gb
 from rlcli.models import resolve_model_path
+from rlcli.plan import fix_budget, longest_prompt
 from rlcli.rewards import RewardManager
 from rlcli.rollout import ROLLOUT_ENGINES, Sampling
 from rlcli.rollout.sampler import DynamicSamplingExhausted, GroupSampler, sampling_metrics
@@ -58,17 +59,15 @@ class Trainer:
         self.main = self.rank == 0
         seed_everything(cfg.seed)
         a = cfg.algo
-        # The tiny default is warm-started once: rank 0 first, the others then read its cache.
-        if not self.main:
-            barrier()
+        # A cache hit under `rlcli train`, whose launcher warm-starts or converts before the workers start
         self.model_path, self.model_source = resolve_model_path(cfg.model, cfg.data)
-        if self.main:
-            barrier()
         self.learner = Learner(cfg, self.model_path, self.units)
         self.tokenizer = self.learner.tokenizer
         self.rewards = RewardManager(cfg.reward)
         train, self.train_report = load_split(cfg.data, "train", cfg.seed, tokenizer=self.tokenizer)
         evals, _ = load_split(cfg.data, "eval", cfg.seed, tokenizer=self.tokenizer)
+        if cfg.hw.max_tokens_per_micro_batch == "auto":  # `rlcli train` fixes it; a Trainer built in code does here
+            fix_budget(cfg, longest_prompt(self.tokenizer, train + evals))
         self.eval_examples = evals[: cfg.eval.size] if cfg.eval.size else evals
         self.rollout = ROLLOUT_ENGINES[cfg.rollout.engine](self.learner.actor.module, self.tokenizer, self.model_path, cfg)
         self.state = LoopState(
@@ -244,7 +243,7 @@ class Trainer:
         world, examples = self.units.world, self.eval_examples
         shard = examples[self.rank :: world]
         pad = 0
-        if self.learner.lockstep:  # equal shards, so every rank runs the same generation calls; padding is dropped
+        if self.rollout.collective:  # equal shards, so every rank runs the same generation calls; padding is dropped
             pad = -(-len(examples) // world) - len(shard)
             shard = shard + examples[:1] * pad
         # Seeded and on a forked RNG: the numbers do not depend on when evaluation runs, and evaluation

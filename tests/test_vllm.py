@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from conftest import FAST, compose, metric_rows, policy_tensors, rlcli, stable
+from conftest import FAST, ROOT, cli_env, compose, metric_rows, policy_tensors, rlcli, stable
 
 from rlcli.models import response_logprobs
 from rlcli.models.config import TinyModelConfig
@@ -153,3 +153,63 @@ def test_dapo_dynamic_sampling_on_two_zero3_ranks_with_vllm(tmp_path):
     assert any(r["dynamic_sampling/carried"] > 0 for r in steps)  # surplus groups were carried to a later step
     for r in steps:
         assert r["rollout_corr/logp_diff_mean"] < 1e-3 and r["actor/grad_norm"] > 0
+
+
+def generate_once(tmp_path, name, *overrides):
+    """Every rank's greedy and sampled rows from the engine of `rlcli train hw=cpu_x2 <overrides>`
+    (tests/helpers/generate_once.py under torchrun)."""
+    import os
+    import subprocess
+    import sys
+
+    from omegaconf import OmegaConf
+
+    from rlcli.engine import free_port
+
+    cfg = compose(*FAST, "hw=cpu_x2", "rollout.engine=vllm", "data.eval_size=6", *overrides, run_dir=str(tmp_path / name))
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    OmegaConf.save(cfg, tmp_path / f"{name}.yaml", resolve=True)
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+                          str(ROOT / "tests" / "helpers" / "generate_once.py"), str(tmp_path / f"{name}.yaml"),
+                          str(tmp_path / f"{name}.pt")], capture_output=True, text=True, timeout=600, env=cli_env(tmp_path))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    return torch.load(tmp_path / f"{name}.pt")
+
+
+def test_a_tensor_parallel_engine_generates_what_one_engine_per_rank_generates(tmp_path):
+    """hw=cpu_x2 with rollout.tensor_parallel_size=2 (one engine over both ranks, vLLM's external launcher in the
+    training job's process group) against one engine per rank: each rank gets back exactly its own prompts'
+    responses, greedy and sampled (each trajectory's seed comes from its rank's RNG, whatever the layout), with
+    the same sampler log-probs up to the rounding of the sharded matrix products; at ZeRO-0 and ZeRO-3."""
+    reference = generate_once(tmp_path, "tp1", "rollout.tensor_parallel_size=1")
+    for name, zero in (("tp2", 0), ("tp2_zero3", 3)):
+        sharded = generate_once(tmp_path, name, "rollout.tensor_parallel_size=2", f"hw.zero_stage={zero}")
+        for rank in (0, 1):
+            for mode in ("greedy", "sampled"):
+                (ids, mask, logp), (ids2, mask2, logp2) = reference[rank][mode], sharded[rank][mode]
+                assert ids.shape[0] == 6 and torch.equal(ids, ids2) and torch.equal(mask, mask2), (name, rank, mode)
+                assert (logp - logp2).abs().max().item() < 1e-4, (name, rank, mode)
+        assert not torch.equal(reference[0]["greedy"][0], reference[1]["greedy"][0])  # the ranks' own prompts
+
+
+def test_grpo_with_a_tensor_parallel_engine_on_zero3_trains_and_resumes_bit_identically(tmp_path):
+    """3 GRPO steps on hw=cpu_x2 at ZeRO-3 with one vLLM engine over both ranks: the weights pushed after each
+    update (gathered from the ZeRO-3 partitions, each member keeping its shard) are what the trainer scores, so
+    the sampler/trainer gap stays at rounding level as with one engine per rank; resumed from the step-2
+    checkpoint (a new engine, the checkpoint's weights pushed into it), step 3 and the final weights are
+    bit-identical to the straight run."""
+    args = ["hw=cpu_x2", "hw.zero_stage=3", "hw.collective_timeout_s=120", "rollout.engine=vllm",
+            "rollout.tensor_parallel_size=2", "eval.before=false", *FAST]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    rlcli(tmp_path, "train", "steps=3", "checkpoint.every=2", f"hydra.run.dir={straight}", *args)
+    steps = [r for r in stable(metric_rows(straight)) if "actor/pg_loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    for r in steps:
+        assert r["rollout_corr/logp_diff_mean"] < 1e-3 and r["rollout_corr/logp_diff_max"] < 2e-2, r
+        assert abs(r["rollout_corr/kl"]) < 1e-4 and r["actor/grad_norm"] > 0
+    out = rlcli(tmp_path, "train", "steps=3", f"resume={straight / 'checkpoints' / 'step_2'}",
+                f"hydra.run.dir={resumed}", *args)
+    assert "2 of 3 steps done" in out.stdout
+    assert [r for r in stable(metric_rows(resumed)) if "actor/pg_loss" in r] == steps
+    a, b = policy_tensors(straight), policy_tensors(resumed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -24,13 +24,31 @@ def barrier() -> None:
         dist.barrier()
 
 
-def gather_objects(obj: object) -> list[object]:
-    """Every rank's `obj` (picklable), in rank order, on every rank."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+def gather_objects(obj: object, group: dist.ProcessGroup | None = None) -> list[object]:
+    """Every rank's `obj` (picklable), in rank order, on every rank (of `group`, default all)."""
+    if not (dist.is_initialized() and dist.get_world_size(group) > 1):
         return [obj]
-    out: list[object] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    out: list[object] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def group_rank(group: dist.ProcessGroup) -> int:
+    """This rank's index in `group`."""
+    return dist.get_rank(group)
+
+
+def consecutive_groups(k: int) -> dist.ProcessGroup | None:
+    """This rank's group of `k` consecutive ranks (0..k-1, k..2k-1, ...): a gloo group for Python objects, made
+    collectively (every rank creates every group, in the same order). None when k == 1."""
+    if k == 1:
+        return None
+    world, mine = dist.get_world_size(), None
+    for start in range(0, world, k):
+        group = dist.new_group(list(range(start, start + k)), backend="gloo")
+        if start <= dist.get_rank() < start + k:
+            mine = group
+    return mine
 
 
 def agree_min(k: int) -> int:

@@ -50,6 +50,21 @@ def resolve_model_path(model_cfg: Any, data_cfg: Any) -> tuple[str, str]:
                   f"demonstrations, carry_slip {ws.carry_slip}")
 
 
+def tokenizer_source(model_cfg: Any) -> str:
+    """Where the run's tokenizer loads from, without resolving the weights: model.tokenizer_path, model.path, the
+    conversion of model.gguf_file (converted now if not cached), or the tiny model's shipped tokenizer (its warm
+    start saves the same one)."""
+    if model_cfg.tokenizer_path or model_cfg.path:
+        return model_cfg.tokenizer_path or model_cfg.path
+    if model_cfg.gguf_file:
+        from rlcli.models.gguf import converted
+
+        return converted(model_cfg.gguf_file)
+    from rlcli.models.tiny import TOKENIZER_DIR
+
+    return str(TOKENIZER_DIR)
+
+
 def as_objects(*nodes: Any) -> list[Any]:
     """Config nodes as their schema dataclass instances (for code that takes dataclasses)."""
     from omegaconf import DictConfig, OmegaConf

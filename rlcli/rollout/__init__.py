@@ -9,9 +9,11 @@ per training process, `Engine(policy_module, tokenizer, policy_path, cfg)`, with
     update_weights()
         called after every optimizer step: the engine samples from the new weights from then on
 
-and a class attribute `logprobs_are_free`: whether `rollout_logp` costs nothing extra, so the loop asks
-for it every step (the rollout_corr/logp_diff_* and rollout_corr/kl metrics) and not only when
-algo.rollout_correction needs it.
+and two attributes: `logprobs_are_free`, whether `rollout_logp` costs nothing extra, so the loop asks for it
+every step (the rollout_corr/logp_diff_* and rollout_corr/kl metrics) and not only when algo.rollout_correction
+needs it; and `collective`, whether `generate` is a collective over ranks (HF generation under ZeRO-3 over
+ranks, a tensor-parallel vLLM engine), so that every rank must call it as often as the others (evaluation
+pads its shards for it).
 
 The loop never knows which engine it has.
 """

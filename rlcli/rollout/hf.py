@@ -150,7 +150,7 @@ class HFEngine:
 
         self.model, self.tokenizer = model, tokenizer
         self.batch_size = cfg.rollout.gen_batch_size
-        self.synced = lockstep(cfg.hw)
+        self.synced = self.collective = lockstep(cfg.hw)  # ZeRO-3 over ranks: every decoding step gathers layers
 
     # Its sampler log-probs cost [rows, vocab] of kept scores per generated token: only asked for when
     # algo.rollout_correction uses them.

@@ -9,6 +9,15 @@ run is reproducible and resumable like the HF path), and the returned log-probs 
 distribution vLLM sampled from, after temperature and top-k/top-p (`logprobs_mode="processed_logprobs"`).
 The trainer still scores every response with its own forward pass; the gap between the two is logged
 (rollout_corr/*, docs/metrics.md) and corrected by algo.rollout_correction.
+
+Tensor parallelism (rollout.tensor_parallel_size = k > 1): each k consecutive ranks of the training job form one
+engine through vLLM's external launcher (`distributed_executor_backend="external_launcher"`, vLLM's way to run
+engines inside a torchrun job: it reuses the job's torch.distributed world and builds its tensor-parallel groups
+over it, with no second init_process_group). The members of an engine must run the same requests in the same
+order, so each `generate` gathers the group's prompts and per-trajectory seeds, every member submits all of them,
+and each keeps its own rows: the trainer's split of prompts over ranks is unchanged, and a trajectory's tokens
+depend on its seed, not on k. A weight push hands every member the full tensors; vLLM's loaders keep each
+member's shard.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from typing import Any
 import torch
 
 from rlcli.batch import RolloutBatch
+from rlcli.engine.collectives import consecutive_groups, gather_objects, group_rank
 from rlcli.rollout.hf import encode_prompts, rollout_batch
 from rlcli.rollout.sampling import Sampling
 
@@ -42,6 +52,9 @@ class VLLMEngine:
 
         self.model, self.tokenizer = model, tokenizer
         self.sleep_mode, self.asleep = r.sleep_mode, False
+        # The engine's ranks, for gathering their requests: made before vLLM makes its own groups (every rank alike).
+        self.group = consecutive_groups(r.tensor_parallel_size)
+        self.collective = self.group is not None  # the members generate together (evaluation pads its shards)
         threads = torch.get_num_threads()  # vLLM drops torch to 1 thread "for serving": training needs them
         kwargs: dict[str, Any] = dict(
             model=path, tokenizer=cfg.model.tokenizer_path or path, dtype=cfg.model.dtype, seed=cfg.seed,
@@ -49,6 +62,8 @@ class VLLMEngine:
             generation_config="vllm", logprobs_mode="processed_logprobs", max_logprobs=1,
             trust_remote_code=cfg.model.trust_remote_code, enable_sleep_mode=r.sleep_mode,
         )
+        if self.group is not None:
+            kwargs["distributed_executor_backend"] = "external_launcher"
         if cfg.hw.device == "cuda":
             kwargs["gpu_memory_utilization"] = r.gpu_memory_utilization
         if r.max_model_len:
@@ -68,6 +83,12 @@ class VLLMEngine:
         prompt_ids, prompt_mask = encode_prompts(self.tokenizer, prompts, n)  # [N, Tp] each
         requests = [TokensPrompt(prompt_token_ids=ids[m.bool()].tolist()) for ids, m in zip(prompt_ids, prompt_mask)]
         seeds = torch.randint(0, 2**31 - 1, (len(requests),)).tolist()  # one per trajectory, from torch's RNG
+        mine = slice(0, len(requests))
+        if self.group is not None:  # every member of the engine submits the group's requests; each keeps its rows
+            parts = gather_objects((requests, seeds), self.group)
+            start = sum(len(part[0]) for part in parts[: group_rank(self.group)])
+            mine = slice(start, start + len(requests))
+            requests, seeds = [q for part in parts for q in part[0]], [x for part in parts for x in part[1]]
         greedy = sampling.temperature == 0
         params = [SamplingParams(
             n=1, max_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
@@ -75,7 +96,7 @@ class VLLMEngine:
             logprobs=0 if with_logprobs else None, detokenize=False,
         ) for s in seeds]
         outs = self.llm.generate(requests, params, use_tqdm=False)
-        completions = [o.outputs[0] for o in outs]
+        completions = [o.outputs[0] for o in outs][mine]
         t = max(1, max(len(c.token_ids) for c in completions))
         response_ids = torch.full((len(completions), t), self.tokenizer.pad_token_id, dtype=torch.long)  # [N, T]
         rollout_logp = torch.zeros(len(completions), t) if with_logprobs else None  # [N, T]

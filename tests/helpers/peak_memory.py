@@ -2,7 +2,8 @@
 
     python tests/helpers/peak_memory.py STEPS OVERRIDE ... -> one JSON line on stdout:
     {"baseline_gib": RSS after importing everything, "peak_gib": ru_maxrss after the steps,
-     "estimate_gib": the plan's peak, "runtime_gib": the plan's runtime row, "rows": the plan's rows in GiB}
+     "estimate_gib": the plan's peak (`rlcli train`'s: the data's longest prompt measured),
+     "runtime_gib": the plan's runtime row, "rows": the plan's rows in GiB, "prompt": the longest prompt}
 
 Peak RSS (ru_maxrss) is a high-water mark of the whole process, so each measurement needs its own process.
 The baseline (python + torch + transformers + DeepSpeed + hydra, imported and idle) is measured here, before
@@ -25,7 +26,7 @@ import rlcli.sft  # noqa: F401
 import rlcli.trainer  # noqa: F401
 from rlcli.cli import CONF_DIR, _environment
 from rlcli.config import register_configs, validate
-from rlcli.plan import GIB, estimate
+from rlcli.plan import GIB, fix_budget, measure_prompts
 
 
 def main() -> None:
@@ -40,7 +41,7 @@ def main() -> None:
         cfg = compose("config", overrides=overrides)
     cfg.run_dir = tempfile.mkdtemp(prefix="rlcli-peak-")
     validate(cfg)
-    plan = estimate(cfg)
+    plan = fix_budget(cfg, measure_prompts(cfg))  # as `rlcli train` plans: the data's longest prompt
     baseline = psutil.Process().memory_info().rss / GIB
     trainer = Trainer(cfg)
     try:
@@ -51,7 +52,8 @@ def main() -> None:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB  # Linux reports KiB
     print(json.dumps({"baseline_gib": baseline, "peak_gib": peak, "estimate_gib": plan.peak / GIB,
                       "runtime_gib": plan.rows.get("runtime", 0.0) / GIB,
-                      "rows": {k: v / GIB for k, v in plan.rows.items()}, "pid": os.getpid()}))
+                      "rows": {k: v / GIB for k, v in plan.rows.items()}, "prompt": plan.shape["prompt"],
+                      "pid": os.getpid()}))
 
 
 if __name__ == "__main__":
