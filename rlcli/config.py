@@ -207,6 +207,13 @@ class HWConfig:
     """Memory of one device in GiB (2^30 bytes), for `rlcli plan` and the check before `rlcli train`; null = detect:
     torch.cuda's total memory of device 0 (cuda), the machine's RAM from psutil shared by the node's hw.nproc
     ranks (cpu)."""
+    peak_tflops: float | None = rng(None, gt=0)
+    """Dense peak of one device in TFLOP/s at hw.precision (datasheet), for `rlcli plan`'s step-time estimate
+    (docs/memory.md, "Step time"); null = no estimate."""
+    memory_bandwidth_gbs: float | None = rng(None, gt=0)
+    """Memory bandwidth of one device in GB/s (datasheet), for the step-time estimate (decoding is bound by it)."""
+    host_link_gbs: float | None = rng(None, gt=0)
+    """Device-host bandwidth in GB/s (PCIe), for the step-time estimate of offload and sleep mode."""
     check_memory: bool = True
     """`rlcli train` first estimates per-device memory (`rlcli plan`, docs/memory.md) and refuses a job whose estimate
     exceeds hw.device_memory_gb, with the fixes to try; false = skip the check (the estimate can be wrong)."""

@@ -30,6 +30,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlcli import roofline
+
 ROLLOUT = "rollout"  # the table row of generation memory (HF KV cache, or the vLLM engine)
 GIB = 2**30
 # Measured: peak RSS of `python -c "import rlcli.trainer, rlcli.cli"` (python, torch, transformers, DeepSpeed,
@@ -228,6 +230,12 @@ def kv_cache_bytes(arch: Arch, rows: int, seq: int, kv_bytes: int) -> float:
     return 2 * arch.layers * arch.kv_width * kv_bytes * rows * seq
 
 
+def kv_token_bytes(arch: Arch, tp: int, kv_bytes: int) -> float:
+    """KV cache bytes of one token on each GPU of a `tp`-way tensor-parallel vLLM engine: each GPU holds its share of
+    the KV heads, at least one (vLLM replicates KV heads when tp exceeds their number)."""
+    return 2 * arch.layers * -(-arch.kv_heads // tp) * arch.head_dim * kv_bytes
+
+
 @dataclass
 class Plan:
     """One estimate: the table rows (bytes per device), the shapes they assume, and the device's memory."""
@@ -239,9 +247,14 @@ class Plan:
     device_note: str
     host: float
     shape: dict[str, Any] = field(default_factory=dict)
+    blockers: list[str] = field(default_factory=list)
+    """What fails whatever the total: a vLLM engine whose weights exceed its share of the device, or whose KV
+    cache cannot hold one sequence."""
 
     @property
     def fits(self) -> bool | None:
+        if self.blockers:
+            return False
         return None if self.device is None else self.peak <= self.device
 
 
@@ -359,8 +372,9 @@ def _estimate(cfg: Any, prompt: tuple[int, str], budget: int | None, budget_note
     notes["weights"] = f"Ψ = {psi / 1e9:.3f}B x {state_bytes(hw.precision, hw.zero_stage).weight} B" + (
         f" (+ LoRA {trainable / 1e6:.1f}M)" if lora else "") + _zero_note(hw.zero_stage, world, "weights")
     rows["gradients"] = policy.grads
-    notes["gradients"] = f"{'LoRA ' if lora else ''}{trainable / 1e9:.3f}B trainable" + _zero_note(
-        hw.zero_stage, world, "grads")
+    notes["gradients"] = f"{'LoRA ' if lora else ''}{trainable / 1e9:.3f}B trainable" + (
+        ": one reduce bucket here, the partition offloaded with the optimizer" if off_opt and hw.zero_stage >= 2
+        else _zero_note(hw.zero_stage, world, "grads"))
     rows["optimizer states"] = policy.optim
     notes["optimizer states"] = ("Adam, offloaded to host" if off_opt else
                                  f"Adam, {state_bytes(hw.precision, hw.zero_stage).optim} B/param"
@@ -412,19 +426,29 @@ def _estimate(cfg: Any, prompt: tuple[int, str], budget: int | None, budget_note
     gen_p = (r.gen_prompts_per_step or p) if a.dynamic_sampling else p
     gen_rows = min(r.gen_batch_size, max(1, gen_p // world * g))
     dev, dev_note = device_memory(hw)
+    kv_room = gen_rows * seq  # tokens the rollout's KV cache holds at once: one generate call (hf), or vLLM's share
+    blockers: list[str] = []
     if r.engine == "vllm":
         if on_cpu:
             rows[ROLLOUT] = psi * wbytes + r.cpu_kv_cache_gb * GIB
             notes[ROLLOUT] = f"vLLM: its weights + rollout.cpu_kv_cache_gb={r.cpu_kv_cache_gb}"
-        else:
-            engine_weights = psi * wbytes / r.tensor_parallel_size
-            rows[ROLLOUT] = max(r.gpu_memory_utilization * (dev or 0.0), engine_weights)
-            notes[ROLLOUT] = (f"vLLM reserves rollout.gpu_memory_utilization={r.gpu_memory_utilization}"
-                              + (", asleep during the update" if r.sleep_mode else ", through the update too"))
-            if dev and engine_weights > r.gpu_memory_utilization * dev:
+            kv_room = r.cpu_kv_cache_gb * GIB / kv_token_bytes(arch, 1, wbytes)
+        else:  # per GPU of a k-way tensor-parallel engine: its shard of the weights, and the KV cache in the rest
+            k = r.tensor_parallel_size
+            engine_weights, reserved = psi * wbytes / k, r.gpu_memory_utilization * (dev or 0.0)
+            rows[ROLLOUT] = max(reserved, engine_weights)
+            kv_room = max(reserved - engine_weights, 0.0) / kv_token_bytes(arch, k, wbytes)
+            notes[ROLLOUT] = (f"vLLM at rollout.tensor_parallel_size={k}: weights {engine_weights / GIB:.1f} + KV cache "
+                              f"{max(reserved - engine_weights, 0.0) / GIB:.1f} (rollout.gpu_memory_utilization="
+                              f"{r.gpu_memory_utilization}), room for {kv_room / seq:.1f} sequences of {seq} tokens"
+                              + ("; asleep during the update" if r.sleep_mode else "; held through the update too"))
+            if dev and engine_weights > reserved:
                 notes[ROLLOUT] = (f"vLLM's weights alone, {engine_weights / GIB:.1f} GiB at rollout.tensor_parallel_size="
-                                  f"{r.tensor_parallel_size}, exceed rollout.gpu_memory_utilization="
-                                  f"{r.gpu_memory_utilization}: raise either")
+                                  f"{k}, exceed rollout.gpu_memory_utilization={r.gpu_memory_utilization}: raise either")
+                blockers.append(notes[ROLLOUT])
+            elif dev and kv_room < seq:
+                blockers.append(f"vLLM's KV cache, {kv_room:.0f} tokens per engine, cannot hold one sequence of {seq} "
+                                "tokens: raise rollout.gpu_memory_utilization or rollout.tensor_parallel_size")
     else:
         rows[ROLLOUT] = kv_cache_bytes(arch, gen_rows, seq, wbytes)
         notes[ROLLOUT] = f"HF generate KV cache: {gen_rows} rows x {seq} tokens, {wbytes} B"
@@ -438,9 +462,10 @@ def _estimate(cfg: Any, prompt: tuple[int, str], budget: int | None, budget_note
     update = rows["activations"] + rows["logits chunk"] + (rows[ROLLOUT] if resident else 0.0)
     peak = static + max(update, rows[ROLLOUT])
     shape = {"psi": psi, "trainable": trainable, "world": world, "micro_rows": mb, "seq": seq, "prompt": tp,
-             "prompt_note": tp_note, "budget": budget, "budget_note": budget_note, "gen_rows": gen_rows, "arch": arch, "phase": "update" if update >= rows[
+             "prompt_note": tp_note, "budget": budget, "budget_note": budget_note, "gen_rows": gen_rows,
+             "kv_room_tokens": kv_room, "arch": arch, "phase": "update" if update >= rows[
                  ROLLOUT] else "rollout", "resident": resident}
-    return Plan(rows, notes, peak, dev, dev_note, host, shape)
+    return Plan(rows, notes, peak, dev, dev_note, host, shape, blockers)
 
 
 def _zero_note(stage: int, world: int, what: str) -> str:
@@ -506,7 +531,8 @@ def fixes(cfg: Any, plan: Plan) -> list[tuple[dict[str, Any], float, str]]:
         out.append(({"hw.logits_chunk": 64}, "more, smaller vocabulary projections"))
     engine_weights = s["psi"] * state_bytes(hw.precision, hw.zero_stage).weight
     tp = r.tensor_parallel_size
-    while r.engine == "vllm" and gpu and engine_weights / tp > r.gpu_memory_utilization * dev and tp * 2 <= hw.nproc:
+    runnable = [t for t in (2, 4, 8) if hw.nproc % t == 0 and s["arch"].heads % t == 0]  # vLLM's TP rules
+    while r.engine == "vllm" and gpu and engine_weights / tp > r.gpu_memory_utilization * dev and tp * 2 in runnable:
         tp *= 2
     if tp != r.tensor_parallel_size:
         out.append(({"rollout.tensor_parallel_size": tp}, "each engine shards the model over more GPUs"))
@@ -574,13 +600,16 @@ def render(cfg: Any, plan: Plan, with_fixes: bool = True) -> str:
     if plan.device is None:
         lines.append(f"  {'device':<18}{'?':>9}   {plan.device_note}")
     else:
-        verdict = "fits" if plan.fits else "DOES NOT FIT"
+        verdict = f"fits, margin {(plan.device - plan.peak) / GIB:.2f} GiB" if plan.fits else "DOES NOT FIT"
+        if plan.blockers:
+            verdict = "DOES NOT RUN: " + "; ".join(plan.blockers)
         lines.append(f"  {'device':<18}{plan.device / GIB:>9.2f}   {plan.device_note}: {verdict} "
                      f"({plan.peak / plan.device:.0%})")
     if plan.host:
         lines.append(f"  {'host (offload)':<18}{plan.host / GIB:>9.2f}   per rank, in CPU RAM")
     if hw.device != "cpu":
         lines.append("  not counted: the CUDA context and allocator fragmentation (keep a margin)")
+    lines += ["", *roofline.render(roofline.step_time(cfg, plan), cfg)]
     if with_fixes and plan.fits is False:
         lines += ["", "to try (estimated peak after each change, alone):"]
         for overrides, peak, why in fixes(cfg, plan):

@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import ROOT, compose
 
+from rlcli import roofline
 from rlcli.plan import (
     BUDGET,
     GIB,
@@ -22,7 +23,9 @@ from rlcli.plan import (
     arch_of,
     estimate,
     fix_budget,
+    fixes,
     kv_cache_bytes,
+    kv_token_bytes,
     lora_param_count,
     measure_prompts,
     model_states,
@@ -149,15 +152,87 @@ def test_reference_and_critic_rows_follow_the_algorithm():
     assert lora.rows["reference model"] == 0 and lora.rows["gradients"] < 0.1 * grpo.rows["gradients"]
 
 
+# The headline command without its fit (conf/fit/qwen2.5-32b_8xa100.yaml): what it planned before.
+UNFITTED = ["hw.offload_optimizer=false", "rollout.tensor_parallel_size=1", "rollout.sleep_mode=false",
+            "rollout.gpu_memory_utilization=0.4"]
+
+
 @pytest.mark.parametrize("engine,fix", [("vllm", "rollout.tensor_parallel_size=2"), ("hf", "rollout.gen_batch_size=")])
-def test_the_32b_dapo_plan_does_not_fit_and_names_fixes_that_do(engine, fix):
+def test_the_32b_dapo_plan_without_its_fit_does_not_fit_and_names_fixes_that_do(engine, fix):
     """vLLM's 61 GiB of bf16 weights exceed the 0.4 x 80 GiB reservation at one GPU per engine; HF generate's KV
     cache for 128 rows of 20,736 tokens is 648 GiB."""
-    cfg = compose("model=qwen2.5-32b", "hw=8xa100", "algo=dapo", f"rollout.engine={engine}")
+    cfg = compose("model=qwen2.5-32b", "hw=8xa100", "algo=dapo", f"rollout.engine={engine}", *UNFITTED)
     plan = estimate(cfg)
     assert plan.fits is False
     text = render(cfg, plan)
     assert fix in text and "memory-only changes that fit together" in text
+
+
+@pytest.mark.parametrize("args", [["algo=dapo", "model=qwen2.5-32b", "hw=8xa100"],
+                                  ["algo=dapo", "model=qwen2.5-32b", "hw=8xh100"],
+                                  ["model=qwen2.5-0.5b", "hw=1xgpu"]])
+def test_the_gpu_presets_fit_and_plan_says_so_with_exit_status_0(args):
+    """The headline command fits by its own planner (its fit: optimizer offload, one 8-way tensor-parallel engine
+    asleep during the update), with the margin printed and a step-time estimate."""
+    out = subprocess.run([sys.executable, "-m", "rlcli", "plan", *args], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "fits, margin" in out.stdout and "step time, rough" in out.stdout
+    if "hw=8xa100" in args:
+        assert "margin 21.62 GiB (73%)" in out.stdout and "rollout.tensor_parallel_size=8" in out.stdout
+
+
+def test_the_rollout_row_is_the_engines_shard_and_kv_cache_released_while_it_sleeps():
+    """A k-way engine holds Psi x 2 / k bytes of bf16 weights per GPU and the rest of its share as KV cache, whose
+    token is 2 x layers x ceil(kv_heads / k) x head_dim x 2 bytes per GPU (KV heads replicated past k = 8); asleep,
+    it is not counted during the update. An engine that cannot hold its weights or one sequence does not run."""
+    base = ["model=qwen2.5-32b", "hw=8xa100", "algo=dapo"]
+    arch = arch_of(compose(*base).model)
+    assert kv_token_bytes(arch, 4, 2) == 2 * 64 * 2 * 128 * 2 == 65536 and kv_token_bytes(arch, 16, 2) == 32768
+    plan = estimate(compose(*base, "rollout.tensor_parallel_size=4"))
+    psi = 32_763_876_352
+    assert plan.rows["rollout"] == 0.6 * 80 * GIB and plan.shape["phase"] == "rollout"
+    assert plan.shape["kv_room_tokens"] == pytest.approx((0.6 * 80 * GIB - psi * 2 / 4) / 65536)
+    assert "weights 15.3 + KV cache 32.7" in plan.notes["rollout"] and plan.fits
+    awake = estimate(compose(*base, "rollout.tensor_parallel_size=4", "rollout.sleep_mode=false"))
+    assert awake.peak == pytest.approx(plan.peak - plan.rows["rollout"] + plan.rows["activations"]
+                                       + plan.rows["logits chunk"] + plan.rows["rollout"])
+    assert awake.fits is False  # 85.8 GiB: the reservation held through the update
+    whole = estimate(compose(*base, "rollout.tensor_parallel_size=1"))
+    assert whole.fits is False and "exceed rollout.gpu_memory_utilization" in whole.blockers[0]
+    starved = estimate(compose(*base, "rollout.tensor_parallel_size=2", "rollout.gpu_memory_utilization=0.39"))
+    assert starved.fits is False and "cannot hold one sequence" in starved.blockers[0]
+
+
+def test_tensor_parallel_fixes_are_only_ones_vllm_can_run():
+    """Suggested sizes divide the node's ranks and the attention heads (40 for Qwen2.5-32B): on 6 GPUs only 2."""
+    cfg = compose("model=qwen2.5-32b", "hw=8xa100", "algo=dapo", "hw.nproc=6", "rollout.prompts_per_step=384",
+                  "rollout.gen_prompts_per_step=1152", "algo.mini_batches=16", *UNFITTED)
+    plan = estimate(cfg)
+    suggested = [o["rollout.tensor_parallel_size"] for o, _, _ in fixes(cfg, plan) if "rollout.tensor_parallel_size" in o]
+    assert suggested == [2]
+
+
+def test_step_time_roofline_by_hand():
+    """Qwen2.5-0.5B on one A100 (hw=1xgpu: 312 TFLOP/s, 2039 GB/s), 64 prompts x 8 responses of 256 + 1024 tokens,
+    GRPO on-policy with a reference model, no checkpointing: every stage computed here from the formulas."""
+    cfg = compose("model=qwen2.5-0.5b", "hw=1xgpu")
+    plan = estimate(cfg)
+    t = roofline.step_time(cfg, plan)
+    psi, flops = 494_032_768, 312e12 * 0.4
+    attn = 4 * 24 * 14 * 64  # 4 x layers x heads x head_dim
+    seqs = 64 * 8
+    compute = seqs * (256 * (2 * psi + attn * 128) + 1024 * (2 * psi + attn * (256 + 512))) / flops
+    kv_token = 2 * 24 * 2 * 64 * 2  # 2 x layers x kv_heads x head_dim x 2 bytes
+    assert plan.shape["kv_room_tokens"] == pytest.approx((0.4 * 80 * GIB - psi * 2) / kv_token)
+    memory = 1024 * (psi * 2 + seqs * (256 + 512) * kv_token) / 2039e9  # one wave: all 512 fit
+    tokens = seqs * (256 + 1024)
+    assert t.waves == 1 and t.concurrency == 512 and t.generation_bound == "compute"
+    assert t.stages["generation"] == pytest.approx(max(compute, memory))
+    assert t.stages["scoring"] == pytest.approx(2 * psi * tokens / flops)  # the reference only: on-policy
+    assert t.stages["update"] == pytest.approx(6 * psi * tokens / flops)
+    assert set(t.stages) == {"generation", "scoring", "update"}  # no offload, no sleep
+    assert roofline.step_time(compose(), estimate(compose())) is None  # hw=cpu: no speeds given
 
 
 def test_train_refuses_a_job_that_cannot_fit_before_loading_anything(tmp_path):

