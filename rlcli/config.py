@@ -215,8 +215,9 @@ class HWConfig:
     host_link_gbs: float | None = rng(None, gt=0)
     """Device-host bandwidth in GB/s (PCIe), for the step-time estimate of offload and sleep mode."""
     check_memory: bool = True
-    """`rlcli train` first estimates per-device memory (`rlcli plan`, docs/memory.md) and refuses a job whose estimate
-    exceeds hw.device_memory_gb, with the fixes to try; false = skip the check (the estimate can be wrong)."""
+    """`rlcli train` first estimates per-device memory (`rlcli plan`, docs/memory.md, with the data's longest prompt)
+    and refuses a job whose estimate exceeds hw.device_memory_gb even at the micro-batch budget it chose (auto), with
+    the fixes to try; false = skip the refusal (the estimate can be wrong; auto budgets are still sized)."""
     num_threads: int | None = rng(None, ge=1)
     """torch intra-op threads per process (null = torch default)."""
     shm_comm: bool = False

@@ -60,6 +60,11 @@ def run_eval(cfg: Any) -> dict[str, float]:
     from rlcli.models import load_policy, resolve_model_path
     from rlcli.rewards import RewardManager
 
+    if cfg.rollout.tensor_parallel_size > 1:
+        from rlcli.schema import ConfigError
+
+        raise ConfigError(f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size} shards an engine over the "
+                          "ranks of a training job; rlcli eval is one process: add rollout.tensor_parallel_size=1")
     if cfg.hw.num_threads:
         torch.set_num_threads(cfg.hw.num_threads)
     torch.manual_seed(cfg.seed)
