@@ -175,6 +175,47 @@ def correction(**kwargs):
     return w, m
 
 
+def test_decoupled_ppo_values_gradients_and_weights():
+    """AReaL's decoupled loss by hand, one row of 3 tokens and a padded 4th (NaN there must not leak).
+    r = exp(logp - prox) = [1.5, 0.7, 1.0], A = [1, -1, 2], w = exp(prox - behav) = [1, 2, 0.5], clip 0.2 / 0.28:
+      t0: max(-1.5, -clip(1.5) = -1.28) = -1.28 (clipped), x w 1   -> -1.28, gradient 0
+      t1: max(0.7, 0.8) = 0.8 (clipped), x w 2                       ->  1.6,  gradient 0
+      t2: max(-2, -2) = -2 (inside the band), x w 0.5                 -> -1.0,  gradient -A·r·w = -1.0
+    With behav_weight_cap = 1.5, t1's weight 2 exceeds it: its loss is 0."""
+    import math
+
+    prox = torch.tensor([[0.0, 0.0, 0.0, 0.0]], dtype=D)
+    logp = torch.tensor([[math.log(1.5), math.log(0.7), 0.0, NAN]], dtype=D, requires_grad=True)
+    behav = torch.tensor([[0.0, -math.log(2.0), math.log(2.0), 0.0]], dtype=D)
+    a = torch.tensor([[1.0, -1.0, 2.0, 5.0]], dtype=D)
+    mask = torch.tensor([[1, 1, 1, 0]], dtype=torch.bool)
+    loss, m = F.decoupled_policy_loss(logp, prox, behav, a, mask, clip_low=0.2, clip_high=0.28)
+    close(loss, [[-1.28, 1.6, -1.0, 0.0]])
+    close(m["pg_clipfrac"], 2 / 3)
+    close(m["behav_weight_mean"], (1 + 2 + 0.5) / 3)
+    loss.sum().backward()
+    close(logp.grad, [[0.0, 0.0, -1.0, 0.0]])
+
+    capped, m = F.decoupled_policy_loss(logp, prox, behav, a, mask, clip_low=0.2, clip_high=0.28, behav_weight_cap=1.5)
+    close(capped, [[-1.28, 0.0, -1.0, 0.0]])
+    close(m["behav_weight_mean"], (1 + 0 + 0.5) / 3)
+    close(m["behav_weight_capped_frac"], 1 / 3)
+
+
+def test_decoupled_ppo_with_the_behaviour_policy_as_proximal_is_clipped_ppo():
+    """prox = behav: every weight is 1, so the loss and its gradient are clipped_policy_loss's."""
+    logp, old, mask = two_rows(-1.0)
+    a = adv(1.0, -2.0)
+    loss, m = F.decoupled_policy_loss(logp, old, old, a, mask, clip_low=0.2, clip_high=0.28)
+    (grad,) = torch.autograd.grad(loss.sum(), logp)
+    ppo, pm = F.clipped_policy_loss(logp, old, a, mask, clip_low=0.2, clip_high=0.28)
+    (ppo_grad,) = torch.autograd.grad(ppo.sum(), logp)
+    close(loss, ppo)
+    close(grad, ppo_grad)
+    close(m["pg_clipfrac"], pm["pg_clipfrac"])
+    close(m["behav_weight_mean"], 1.0)
+
+
 def test_rollout_correction_token_level_truncation():
     # TIS, upper 2: e^1 = 2.718 -> 2 (1 of 5 valid tokens cut); padding 0.
     # mean (1.6487213 + 0.8187308 + 2 + 1.3498588 + 0.1353353)/5 = 5.9526461/5 = 1.1905292

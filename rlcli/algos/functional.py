@@ -34,6 +34,7 @@ __all__ = [
     "aggregation_counts",
     "cispo_policy_loss",
     "clipped_policy_loss",
+    "decoupled_policy_loss",
     "discounted_returns",
     "entropy_from_logits",
     "gae",
@@ -569,6 +570,45 @@ def cispo_policy_loss(
             "ppo_kl": masked_mean(old_logp - logp, m),
         }
     return loss, metrics
+
+
+def decoupled_policy_loss(
+    logp: Tensor,
+    prox_logp: Tensor,
+    behav_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    behav_weight_cap: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Decoupled PPO (AReaL, Fu et al. 2025, arXiv:2505.24298 §5): the trust region is taken around a proximal
+    policy π_prox, and the tokens, sampled by a behaviour policy μ (an older or different sampler), are
+    importance-weighted from μ to π_prox.
+
+    Shapes: logp, prox_logp, behav_logp, advantages, mask [N, T] -> (loss_mat [N, T], metrics).
+        r_t = exp(clamp(logp - prox_logp, -20, 20))
+        w_t = sg[exp(clamp(prox_logp - behav_logp, -20, 20))]
+        ℓ_t = w_t · max(-A_t·r_t, -A_t·clip(r_t, 1 - clip_low, 1 + clip_high))
+    behav_weight_cap = c: tokens with w_t > c get weight 0 (AReaL's rule: too stale to learn from), the rest keep
+    theirs. With prox_logp = behav_logp (w = 1) this is clipped_policy_loss. loss_mat is 0 at masked positions;
+    reduce it with `aggregate`.
+
+    metrics (detached 0-dim tensors, masked token means): pg_clipfrac (the clipped branch is active),
+    pg_clipfrac_high, pg_clipfrac_low, ppo_kl (mean of prox_logp - logp), behav_weight_mean (the weights applied,
+    after the cap), behav_weight_capped_frac (tokens the cap zeroed).
+    """
+    m = _valid(mask)
+    zero = torch.zeros_like(logp)
+    ratio = torch.exp((logp - prox_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    loss, metrics = _surrogate(ratio, advantages, clip_low, clip_high, logp, prox_logp, m)
+    with torch.no_grad():
+        weight = torch.exp(torch.where(m, prox_logp - behav_logp, zero).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        capped = (weight > behav_weight_cap) if behav_weight_cap is not None else torch.zeros_like(m)
+        weight = torch.where(capped | ~m, zero, weight)
+        metrics["behav_weight_mean"] = masked_mean(weight, m)
+        metrics["behav_weight_capped_frac"] = masked_mean(capped.to(logp.dtype), m)
+    return torch.where(m, weight * loss, zero), metrics
 
 
 """Levels of `rollout_correction_weights`: one weight per token, or one per sequence."""
