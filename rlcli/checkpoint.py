@@ -62,9 +62,10 @@ MAY_CHANGE = frozenset({
     "hw.micro_batch", "hw.max_tokens_per_micro_batch", "hw.logits_chunk", "hw.num_threads", "hw.shm_comm", "hw.master_port",
     "hw.collective_timeout_s", "hw.shutdown_timeout_s", "rollout.gen_batch_size", "reward.num_workers",
     "hw.device_memory_gb", "hw.check_memory",  # the memory check before training, not the run
-    # how the vLLM engine holds memory, not what it samples
+    "hw.peak_tflops", "hw.memory_bandwidth_gbs", "hw.host_link_gbs",  # the plan's step-time estimate
+    # how the vLLM engine holds memory and shards the model, not what it samples
     "rollout.gpu_memory_utilization", "rollout.sleep_mode", "rollout.enforce_eager", "rollout.cpu_kv_cache_gb",
-    "rollout.max_model_len",
+    "rollout.max_model_len", "rollout.tensor_parallel_size",
     "hw.node_rank", "hw.master_addr",  # each node of a multi-node run checks the config node 0 wrote
 })
 MAY_CHANGE_GROUPS = ("checkpoint.", "logger.", "eval.", "ladder.")

@@ -25,7 +25,9 @@ NEEDS = {("model", "hf"): ["model.path=/some/dir"]}
     "group,option", [(g, o) for g, opts in group_options(CONF).items() for o in opts]
 )
 def test_every_option_composes_and_validates(group, option):
-    cfg = make([f"{group}={option}", *NEEDS.get((group, option), [])])
+    # A fit is <model>_<hw>: it is chosen by, and composed with, that model and that machine.
+    fit = [f"model={option.split('_', 1)[0]}", f"hw={option.split('_', 1)[1]}"] if group == "fit" else []
+    cfg = make([*fit, f"{group}={option}", *NEEDS.get((group, option), [])])
     OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
     if cfg.hw.device == "cuda" or cfg.hw.nproc > 1:
         # Divisibility still holds on the GPU layouts; nothing is built here.
