@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -227,7 +228,7 @@ def logits_bytes(arch: Arch, rows: int, prompt: int, response: int, chunk: int, 
 
 def kv_cache_bytes(arch: Arch, rows: int, seq: int, kv_bytes: int) -> float:
     """Keys and values of every block for `rows` sequences of `seq` tokens: 2 x L x kv_heads x head_dim x bytes."""
-    return 2 * arch.layers * arch.kv_width * kv_bytes * rows * seq
+    return kv_token_bytes(arch, 1, kv_bytes) * rows * seq
 
 
 def kv_token_bytes(arch: Arch, tp: int, kv_bytes: int) -> float:
@@ -333,18 +334,16 @@ def auto_budget(cfg: Any, prompt: tuple[int, str]) -> Plan:
     the device's memory is unknown), one row when nothing fits (check_fits then refuses). Activations grow with
     the tokens of a micro-batch, the model states not at all, so the search is over rows."""
     whole = _estimate(cfg, prompt, None, "auto: no cap needed, hw.micro_batch rows fit")
-    if whole.device is None or whole.fits or whole.blockers:
-        if whole.device is None or whole.blockers:
-            whole.shape["budget_note"] = ("auto: no cap, the device's memory is unknown" if whole.device is None
-                                          else "auto: no cap chosen, the rollout engine cannot run as configured")
+    if whole.device is None:
+        whole.shape["budget_note"] = "auto: no cap, the device's memory is unknown"
         return whole
-    seq, low, high = whole.shape["seq"], 1, whole.shape["micro_rows"] - 1
-    if not _estimate(cfg, prompt, seq, "").fits:
+    if whole.peak <= whole.device:  # (a blocker, if any, stays in the plan: it is not the micro-batch's doing)
+        return whole
+    seq = whole.shape["seq"]
+    rows = largest(lambda n: _estimate(cfg, prompt, n * seq, "").peak <= whole.device, 1, whole.shape["micro_rows"] - 1)
+    if rows is None:
         return _estimate(cfg, prompt, seq, f"auto: not even one row of {seq} tokens fits")
-    while low < high:
-        mid = (low + high + 1) // 2
-        low, high = (mid, high) if _estimate(cfg, prompt, mid * seq, "").fits else (low, mid - 1)
-    return _estimate(cfg, prompt, low * seq, f"auto: {low} rows of {seq} tokens, the most that fit")
+    return _estimate(cfg, prompt, rows * seq, f"auto: {rows} rows of {seq} tokens, the most that fit")
 
 
 def _estimate(cfg: Any, prompt: tuple[int, str], budget: int | None, budget_note: str) -> Plan:
@@ -429,6 +428,9 @@ def _estimate(cfg: Any, prompt: tuple[int, str], budget: int | None, budget_note
     dev, dev_note = device_memory(hw)
     kv_room = gen_rows * seq  # tokens the rollout's KV cache holds at once: one generate call (hf), or vLLM's share
     blockers: list[str] = []
+    if r.engine == "vllm" and arch.heads % r.tensor_parallel_size:
+        blockers.append(f"vLLM shards attention heads: rollout.tensor_parallel_size={r.tensor_parallel_size} must "
+                        f"divide the model's {arch.heads}")
     if r.engine == "vllm":
         if on_cpu:
             rows[ROLLOUT] = psi * wbytes + r.cpu_kv_cache_gb * GIB
@@ -485,20 +487,20 @@ def with_overrides(cfg: Any, overrides: dict[str, Any]) -> Any:
     return new
 
 
-def _largest(cfg: Any, key: str, high: int, device: float, prompt: tuple[int, str], low: int = 1) -> int | None:
-    """The largest integer value of `key` in [low, high] whose plan fits (the estimate grows with it)."""
-    def fits(value: int) -> bool:
-        return estimate(with_overrides(cfg, {key: value}), prompt).peak <= device
-
+def largest(fits: Any, low: int, high: int) -> int | None:
+    """The largest integer in [low, high] for which `fits` holds, `fits` being monotone (true, then false);
+    None if it does not hold at `low`."""
     if not fits(low):
         return None
     while low < high:
         mid = (low + high + 1) // 2
-        if fits(mid):
-            low = mid
-        else:
-            high = mid - 1
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
     return low
+
+
+def _largest(cfg: Any, key: str, high: int, device: float, prompt: tuple[int, str], low: int = 1) -> int | None:
+    """The largest integer value of `key` in [low, high] whose peak fits `device` (the estimate grows with it)."""
+    return largest(lambda value: estimate(with_overrides(cfg, {key: value}), prompt).peak <= device, low, high)
 
 
 def fixes(cfg: Any, plan: Plan) -> list[tuple[dict[str, Any], float, str]]:
@@ -537,6 +539,12 @@ def fixes(cfg: Any, plan: Plan) -> list[tuple[dict[str, Any], float, str]]:
         tp *= 2
     if tp != r.tensor_parallel_size:
         out.append(({"rollout.tensor_parallel_size": tp}, "each engine shards the model over more GPUs"))
+    if r.engine == "vllm" and gpu and plan.blockers:  # the share that holds the weights and one sequence, in 0.05s
+        need = (engine_weights / r.tensor_parallel_size + s["seq"] * kv_token_bytes(
+            s["arch"], r.tensor_parallel_size, state_bytes(hw.precision, hw.zero_stage).weight)) / dev
+        if need < 0.95:
+            out.append(({"rollout.gpu_memory_utilization": round(math.ceil(need / 0.05) * 0.05, 2)},
+                        "the engine's share of the device, for its weights and one sequence"))
     if r.engine == "vllm" and gpu and not r.sleep_mode:
         out.append(({"rollout.sleep_mode": True}, "the engine sleeps while the actor updates: wake-up each step"))
     if r.engine == "hf" and s["gen_rows"] > 1:
@@ -551,8 +559,9 @@ def fixes(cfg: Any, plan: Plan) -> list[tuple[dict[str, Any], float, str]]:
                 "shorter responses: a different experiment"))
     if gpu:
         out.append(({"hw.nnodes": hw.nnodes * 2}, "twice the GPUs (rollout.prompts_per_step must divide)"))
-    tried = [(o, estimate(with_overrides(cfg, o), prompt).peak, why) for o, why in out]
-    return [t for t in tried if t[1] < plan.peak]  # only changes that lower the peak
+    plans = [(o, estimate(with_overrides(cfg, o), prompt), why) for o, why in out]
+    # only changes that lower the peak, or let the engine run
+    return [(o, q.peak, why) for o, q, why in plans if q.peak < plan.peak or (plan.blockers and not q.blockers)]
 
 
 def combined_fix(cfg: Any, plan: Plan) -> tuple[dict[str, Any], float] | None:
@@ -566,7 +575,8 @@ def combined_fix(cfg: Any, plan: Plan) -> tuple[dict[str, Any], float] | None:
         if "experiment" in why or "GPUs" in why:
             continue
         trial = with_overrides(current, overrides)
-        if estimate(trial, prompt).peak < estimate(current, prompt).peak:
+        now, then = estimate(current, prompt), estimate(trial, prompt)
+        if then.peak < now.peak or len(then.blockers) < len(now.blockers):
             current, applied = trial, {**applied, **overrides}
             # micro-batch and generate sizes were chosen for the original config: re-fit them to this one
             for key, high in (("hw.micro_batch", cfg.hw.micro_batch), ("rollout.gen_batch_size", cfg.rollout.gen_batch_size)):
@@ -574,7 +584,7 @@ def combined_fix(cfg: Any, plan: Plan) -> tuple[dict[str, Any], float] | None:
                     best = _largest(with_overrides(current, {key: 1}), key, high, plan.device, prompt)
                     if best is not None:
                         current, applied[key] = with_overrides(current, {key: best}), best
-            if estimate(current, prompt).peak <= plan.device:
+            if estimate(current, prompt).fits:
                 return applied, estimate(current, prompt).peak
     return None
 
@@ -614,7 +624,7 @@ def render(cfg: Any, plan: Plan, with_fixes: bool = True) -> str:
     if with_fixes and plan.fits is False:
         lines += ["", "to try (estimated peak after each change, alone):"]
         for overrides, peak, why in fixes(cfg, plan):
-            mark = "fits" if peak <= plan.device else "    "
+            mark = "fits" if estimate(with_overrides(cfg, overrides), (s["prompt"], s["prompt_note"])).fits else "    "
             lines.append(f"  {peak / GIB:>8.2f} GiB {mark}  {_overrides_text(overrides)}   ({why})")
         combo = combined_fix(cfg, plan)
         if combo:
@@ -657,11 +667,14 @@ def check_fits(cfg: Any) -> Plan | None:
         print(render(cfg, plan) + "\n", file=sys.stderr, flush=True)  # the breakdown and the fixes, then the error
         from rlcli.schema import ConfigError
 
-        auto = plan.shape["budget_note"].startswith("auto")
+        if plan.blockers:
+            raise ConfigError("the rollout engine cannot run as configured: " + "; ".join(plan.blockers)
+                              + ". Apply one of the changes above (docs/memory.md explains the estimate).")
+        one_row = plan.shape["budget_note"].startswith("auto: not even one row")
         raise ConfigError(
             f"the estimated peak memory per device, {plan.peak / GIB:.2f} GiB"
             + (f" with one row of {plan.shape['seq']} tokens per micro-batch (hw.max_tokens_per_micro_batch=auto "
-               "found no budget that fits)" if auto else "")
+               "found no budget that fits)" if one_row else "")
             + f", exceeds the device's {plan.device / GIB:.2f} GiB ({plan.device_note}). Apply one of the changes "
             "above; or set hw.device_memory_gb if the device has more; or hw.check_memory=false to train anyway "
             "(docs/memory.md explains the estimate)."

@@ -204,6 +204,22 @@ def test_the_rollout_row_is_the_engines_shard_and_kv_cache_released_while_it_sle
     assert starved.fits is False and "cannot hold one sequence" in starved.blockers[0]
 
 
+def test_an_engine_that_cannot_run_is_named_and_its_fix_offered():
+    """A share of the device too small for one 20,736-token sequence's KV cache (0.1 x 80 GiB at k = 8) is a blocker
+    whatever the total: the plan does not fit, the fixes offer the share that holds the weights and one sequence,
+    and auto still sizes the micro-batches by the peak. Heads that k does not divide are a blocker too."""
+    base = ["model=qwen2.5-32b", "hw=8xa100", "algo=dapo"]
+    cfg = compose(*base, "rollout.gpu_memory_utilization=0.1")
+    plan = estimate(cfg)
+    assert plan.fits is False and "cannot hold one sequence" in plan.blockers[0] and plan.peak < plan.device
+    offered = {o.get("rollout.gpu_memory_utilization") for o, _, _ in fixes(cfg, plan)}
+    assert 0.15 in offered  # (7.6 GiB of weights + 20,736 x 32 KiB) / 80 GiB = 0.103: the next 0.05 above
+    assert "fits  rollout.gpu_memory_utilization=0.15" in render(cfg, plan)
+    odd = estimate(compose(*base, "hw.nproc=6", "rollout.tensor_parallel_size=3", "rollout.prompts_per_step=384",
+                           "rollout.gen_prompts_per_step=1152"))
+    assert any("must divide the model's 40" in b for b in odd.blockers)
+
+
 def test_tensor_parallel_fixes_are_only_ones_vllm_can_run():
     """Suggested sizes divide the node's ranks and the attention heads (40 for Qwen2.5-32B): on 6 GPUs only 2."""
     cfg = compose("model=qwen2.5-32b", "hw=8xa100", "algo=dapo", "hw.nproc=6", "rollout.prompts_per_step=384",

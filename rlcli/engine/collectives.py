@@ -38,14 +38,17 @@ def group_rank(group: dist.ProcessGroup) -> int:
     return dist.get_rank(group)
 
 
-def consecutive_groups(k: int) -> dist.ProcessGroup | None:
+def consecutive_groups(k: int, timeout_s: int) -> dist.ProcessGroup | None:
     """This rank's group of `k` consecutive ranks (0..k-1, k..2k-1, ...): a gloo group for Python objects, made
-    collectively (every rank creates every group, in the same order). None when k == 1."""
+    collectively (every rank creates every group, in the same order), whose collectives fail after `timeout_s`
+    (hw.collective_timeout_s). None when k == 1."""
+    from datetime import timedelta
+
     if k == 1:
         return None
     world, mine = dist.get_world_size(), None
     for start in range(0, world, k):
-        group = dist.new_group(list(range(start, start + k)), backend="gloo")
+        group = dist.new_group(list(range(start, start + k)), backend="gloo", timeout=timedelta(seconds=timeout_s))
         if start <= dist.get_rank() < start + k:
             mine = group
     return mine

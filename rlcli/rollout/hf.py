@@ -150,7 +150,7 @@ class HFEngine:
 
         self.model, self.tokenizer = model, tokenizer
         self.batch_size = cfg.rollout.gen_batch_size
-        self.synced = self.collective = lockstep(cfg.hw)  # ZeRO-3 over ranks: every decoding step gathers layers
+        self.collective = lockstep(cfg.hw)  # ZeRO-3 over ranks: every decoding step gathers layers (synced_gpus)
 
     # Its sampler log-probs cost [rows, vocab] of kept scores per generated token: only asked for when
     # algo.rollout_correction uses them.
@@ -159,7 +159,7 @@ class HFEngine:
     def generate(self, prompts: list[str], answers: list[str], n: int, sampling: Sampling, group_offset: int = 0,
                  with_logprobs: bool = False) -> RolloutBatch:
         return generate(self.model, self.tokenizer, prompts, answers, n, sampling.max_new_tokens, sampling.temperature,
-                        sampling.top_p, sampling.top_k, self.batch_size, group_offset, with_logprobs, self.synced)
+                        sampling.top_p, sampling.top_k, self.batch_size, group_offset, with_logprobs, self.collective)
 
     def update_weights(self) -> None:
         """Nothing to do: generation reads the training module's parameters."""

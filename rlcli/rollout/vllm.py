@@ -53,7 +53,7 @@ class VLLMEngine:
         self.model, self.tokenizer = model, tokenizer
         self.sleep_mode, self.asleep = r.sleep_mode, False
         # The engine's ranks, for gathering their requests: made before vLLM makes its own groups (every rank alike).
-        self.group = consecutive_groups(r.tensor_parallel_size)
+        self.group = consecutive_groups(r.tensor_parallel_size, cfg.hw.collective_timeout_s)
         self.collective = self.group is not None  # the members generate together (evaluation pads its shards)
         threads = torch.get_num_threads()  # vLLM drops torch to 1 thread "for serving": training needs them
         kwargs: dict[str, Any] = dict(
