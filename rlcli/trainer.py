@@ -37,7 +37,7 @@ from rlcli.algos.kl import build_kl_controller
 from rlcli.batch import RolloutBatch
 from rlcli.config import units
 from rlcli.data import PromptStream, load_split
-from rlcli.engine.collectives import all_reduce, barrier, gather_objects
+from rlcli.engine.collectives import all_reduce, barrier, gather_objects, rank_zero_first
 from rlcli.learner import Learner, Phase, rl_phase, value_pretrain_phase
 from rlcli.metrics import MetricsLogger, Timer, peak_mem_gb
 from rlcli.models import resolve_model_path
@@ -59,8 +59,8 @@ class Trainer:
         self.main = self.rank == 0
         seed_everything(cfg.seed)
         a = cfg.algo
-        # A cache hit under `rlcli train`, whose launcher warm-starts or converts before the workers start
-        self.model_path, self.model_source = resolve_model_path(cfg.model, cfg.data)
+        # Rank 0 first, the others read its cache (all hit it under `rlcli train`: its launcher resolved it first)
+        self.model_path, self.model_source = rank_zero_first(lambda: resolve_model_path(cfg.model, cfg.data))
         self.learner = Learner(cfg, self.model_path, self.units)
         self.tokenizer = self.learner.tokenizer
         self.rewards = RewardManager(cfg.reward)

@@ -5,9 +5,14 @@ In one process they are local computations; with several ranks each is one colle
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+T = TypeVar("T")
 
 
 def all_reduce(x: Tensor, op: str = "sum") -> Tensor:
@@ -22,6 +27,17 @@ def barrier() -> None:
     """Wait for every rank (under hw.collective_timeout_s, like every collective)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
+
+
+def rank_zero_first(fn: Callable[[], T]) -> T:
+    """fn() on rank 0, then on the other ranks, which may read what rank 0 cached (a warm start, a conversion)."""
+    later = dist.is_initialized() and dist.get_world_size() > 1 and dist.get_rank() != 0
+    if later:
+        barrier()
+    out = fn()
+    if dist.is_initialized() and dist.get_world_size() > 1 and not later:
+        barrier()
+    return out
 
 
 def gather_objects(obj: object, group: dist.ProcessGroup | None = None) -> list[object]:
