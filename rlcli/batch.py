@@ -42,6 +42,7 @@ class RolloutBatch:
     advantages: Tensor | None = None  # [N, T]
     returns: Tensor | None = None  # [N, T]
     stale: Tensor | None = None  # [N] bool: carried over from an earlier step (dynamic sampling)
+    version: Tensor | None = None  # [N] long: the policy version (training steps done) that generated the row
     extras: dict[str, Tensor] = field(default_factory=dict)  # per-trajectory [N] reward parts etc.
 
     def __len__(self) -> int:

@@ -31,6 +31,7 @@ from rlcli import engine as eng
 from rlcli.algos.functional import (
     aggregate,
     aggregation_counts,
+    behaviour_weights,
     kl_estimate,
     positive_example_nll,
     rollout_correction_weights,
@@ -90,7 +91,10 @@ def split_to(parts: list[list[int]], k: int) -> list[list[int]]:
 
 class Learner:
     def __init__(self, cfg: Any, model_path: str, units: BatchUnits):
+        from rlcli.config import off_policy
+
         self.cfg, self.units = cfg, units
+        self.off_policy = off_policy(cfg)  # recompute | bypass | decoupled (algo.off_policy, auto resolved)
         a = cfg.algo
         self.lockstep = eng.lockstep(cfg.hw)  # ZeRO-3 over ranks: every forward is a collective
         with eng.sharded_construction(cfg.hw, cfg.optim):  # ZeRO-3: each rank loads only its partition
@@ -176,7 +180,9 @@ class Learner:
         out: dict[str, Tensor] = {}
         kl_in_reward = self.ref is not None and phase.algo.kl_in_reward
         fresh = (~batch.stale).nonzero().squeeze(-1)  # [n_fresh]
-        if not self.units.on_policy if phase.trains_actor else kl_in_reward:  # lockstep: dummy passes if no fresh rows
+        if phase.trains_actor and self.off_policy == "bypass":  # the sampler's log-probs are the old policy
+            out["old_logp"] = batch.rollout_logp
+        elif not self.units.on_policy if phase.trains_actor else kl_in_reward:  # lockstep: dummy passes if no fresh rows
             old = batch.old_logp.clone() if batch.old_logp is not None else torch.zeros_like(batch.response_mask)
             old[fresh] = self.logprobs(batch.select(fresh))
             out["old_logp"] = old
@@ -289,7 +295,9 @@ class Learner:
             self.cfg.rollout.temperature, with_entropy=True, entropy_grad=a.entropy_coef != 0, chunk=self.chunk,
         )  # [n, T] each
         old = logp.detach()  # on-policy: the ratio is exactly 1 and its gradient is ∇log π
-        if not self.units.on_policy or mb.stale.any():  # carried rows always bring their sampling-time log-probs
+        if self.off_policy == "bypass":
+            old = mb.old_logp.to(self.device)  # the sampler's (score)
+        elif not self.units.on_policy or mb.stale.any():  # carried rows always bring their sampling-time log-probs
             recorded = mb.old_logp.to(self.device)
             old = recorded if not self.units.on_policy else torch.where(mb.stale[:, None].to(self.device), recorded, old)
         loss_mat, pm = POLICY_LOSSES[a.policy_loss](logp, old, mb.advantages.to(self.device), mask, a)  # [n, T]
@@ -297,10 +305,11 @@ class Learner:
         metrics = {f"actor/{k}": float(v) * share for k, v in pm.items()}
         if mb.rollout_logp is not None:  # the sampler/trainer gap on the sampled tokens
             sampler_logp = mb.rollout_logp.to(self.device)
-            gap = (old - sampler_logp).abs() * mask
+            trainer_logp = logp.detach() if self.off_policy == "bypass" else old  # bypass: `old` is the sampler's
+            gap = (trainer_logp - sampler_logp).abs() * mask
             metrics["rollout_corr/logp_diff_mean"] = float(gap.sum()) / norms["num_tokens"]
             metrics["rollout_corr/logp_diff_max"] = float(gap.max()) if gap.numel() else 0.0
-            metrics["rollout_corr/kl"] = float((kl_estimate(sampler_logp, old, "k3") * mask).sum()) / norms["num_tokens"]
+            metrics["rollout_corr/kl"] = float((kl_estimate(sampler_logp, trainer_logp, "k3") * mask).sum()) / norms["num_tokens"]
         if a.rollout_correction != "none":  # π_trainer / π_sampler on the sampling policy's tokens
             w, wm = rollout_correction_weights(
                 old - mb.rollout_logp.to(self.device), mask, level=a.rollout_correction,
@@ -310,6 +319,10 @@ class Learner:
             metrics.update({"rollout_corr/weight_mean": float(wm["weight_mean"]) * share,
                             "rollout_corr/clipped_frac": float(wm["clipped_frac"]) * share,
                             "rollout_corr/weight_max": float(wm["weight_max"])})
+        elif self.off_policy == "decoupled":  # AReaL's decoupled PPO: `old` is the proximal policy, tokens π_prox/μ
+            w, wm = behaviour_weights(old - mb.rollout_logp.to(self.device), mask, a.behav_weight_cap)
+            loss_mat = loss_mat * w
+            metrics.update({f"actor/{k}": float(v) * share for k, v in wm.items()})
         agg = dict(num_tokens=norms["num_tokens"], num_seqs=norms["num_seqs"], max_len=self.cfg.rollout.max_new_tokens)
         loss = pg_loss = aggregate(loss_mat, mask, a.loss_agg, **agg)
         metrics["actor/pg_loss"] = pg_loss.item()

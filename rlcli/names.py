@@ -43,6 +43,7 @@ KL_ESTIMATORS = Names("KL estimator", ("k1", "k2", "k3"))
 AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_sum_const")
 """Loss aggregation modes (docs/algorithms.md, "Policy loss and aggregation"), see `functional.aggregate`."""
 ROLLOUT_CORRECTION_LEVELS = ("token", "sequence")
+OFF_POLICY = ("auto", "recompute", "bypass", "decoupled")  # algo.off_policy (README, "Asynchronous rollout")
 ROLLOUT_ENGINES = Names("rollout engine", ("hf", "vllm"))
 SCHEDULERS = ("constant_with_warmup", "constant", "linear", "cosine", "cosine_with_restarts", "polynomial", "inverse_sqrt")
 """optim.scheduler: the transformers.get_scheduler names that need only warmup and total steps (the others need

@@ -100,6 +100,16 @@ def rng(default: Any = dataclasses.MISSING, *, factory: Callable[[], Any] | None
     return dataclasses.field(default=default, metadata={"range": spec})
 
 
+def keyword_field(cls: type, attr: str, key: str) -> None:
+    """Rename dataclass field `attr` of `cls` to `key`, a Python keyword (`async`): the config key users type,
+    reached in code as cfg.<group>["async"]. OmegaConf reads the field's name and its annotation."""
+    f = cls.__dataclass_fields__.pop(attr)  # type: ignore[attr-defined]
+    f.name = key
+    cls.__dataclass_fields__[key] = f  # type: ignore[attr-defined]
+    cls.__annotations__[key] = cls.__annotations__.pop(attr)
+    setattr(cls, key, property(lambda self: getattr(self, attr)))  # an instance (built by __init__) has `attr`
+
+
 def range_of(f: dataclasses.Field) -> Range | None:
     return f.metadata.get("range")
 

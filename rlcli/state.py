@@ -32,6 +32,9 @@ class LoopState:
     """The KL coefficient β and its controller (fixed, or adaptive: Ziegler et al. 2019)."""
     next_group: int
     """Group ids handed out so far on this rank (unique across ranks and steps)."""
+    rollout: Any = None
+    """Where generation batches come from (rlcli.rollout.remote): with rollout ranks, the batches asked for and not
+    trained on yet."""
     step: int = 0
     """Training steps done."""
     train_seconds: float = 0.0
@@ -65,7 +68,7 @@ class LoopState:
             "step": self.step, "next_group": self.next_group, "train_seconds": self.train_seconds,
             "result": self.result, "prompts": self.prompts.state_dict(), "carry": self.sampler.carry,
             "kl_coef": self.kl_ctl.value, "rng": rng_state(), "skipped_in_a_row": self.skipped_in_a_row,
-            "last_finite": self.last_finite,
+            "last_finite": self.last_finite, "rollout": self.rollout.state_dict() if self.rollout else {},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -76,6 +79,8 @@ class LoopState:
         self.sampler.carry = state["carry"]
         self.kl_ctl.value = state["kl_coef"]
         self.skipped_in_a_row, self.last_finite = state["skipped_in_a_row"], state["last_finite"]
+        if self.rollout:
+            self.rollout.load_state_dict(state["rollout"])
         set_rng_state(state["rng"])
 
 

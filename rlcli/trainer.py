@@ -43,16 +43,18 @@ from rlcli.metrics import MetricsLogger, Timer, peak_mem_gb
 from rlcli.models import resolve_model_path
 from rlcli.plan import fix_budget, longest_prompt
 from rlcli.rewards import RewardManager
-from rlcli.rollout import ROLLOUT_ENGINES, Sampling
+from rlcli.rollout import ROLLOUT_ENGINES, HFEngine
+from rlcli.rollout.remote import Request, rollout_source
 from rlcli.rollout.sampler import DynamicSamplingExhausted, GroupSampler, sampling_metrics
-from rlcli.rollout.shaping import shape
 from rlcli.state import LoopState, seed_everything
 from rlcli.summary import startup_summary
 
 __all__ = ["DynamicSamplingExhausted", "Trainer"]
 
 class Trainer:
-    def __init__(self, cfg: Any):
+    def __init__(self, cfg: Any, channel: Any = None):
+        """`channel`: the asynchronous job's channel to the rollout ranks (rlcli.rollout.remote.join); None: this
+        process generates for itself."""
         self.cfg = cfg
         eng.init_distributed(cfg.hw)
         self.rank, self.units = eng.rank(), units(cfg)
@@ -69,12 +71,15 @@ class Trainer:
         if cfg.hw.max_tokens_per_micro_batch == "auto":  # `rlcli train` fixes it; a Trainer built in code does here
             fix_budget(cfg, longest_prompt(self.tokenizer, train + evals))
         self.eval_examples = evals[: cfg.eval.size] if cfg.eval.size else evals
-        self.rollout = ROLLOUT_ENGINES[cfg.rollout.engine](self.learner.actor.module, self.tokenizer, self.model_path, cfg)
+        # With rollout ranks, this rank's engine only evaluates: HF generate on the training module.
+        engine = HFEngine if channel else ROLLOUT_ENGINES[cfg.rollout.engine]
+        self.rollout = engine(self.learner.actor.module, self.tokenizer, self.model_path, cfg)
         self.state = LoopState(
             prompts=PromptStream(train, cfg.seed, cfg.data.shuffle, self.rank, self.units.world),
             sampler=GroupSampler(self.units.p_local, a.dynamic_sampling, a.filter_metric, a.max_gen_batches,
                                  a.train_on_partial, lockstep=self.learner.lockstep),
             kl_ctl=build_kl_controller(a), next_group=self.rank * 10**9,  # group ids unique across ranks
+            rollout=rollout_source(cfg, channel, self.rollout, self.rewards),
         )
         self.timer = Timer()  # the current step's stage timer (its last stage is named in errors)
         self.resumed_from = ckpt.resolve(cfg.resume, cfg.run_dir)
@@ -140,7 +145,7 @@ class Trainer:
         phase = phase or rl_phase(self.cfg)
         timer = self.timer = Timer()
         t0 = time.perf_counter()
-        batch, sampled = self.collect(timer)  # 1-3 rollout, reward, shape (+ dynamic sampling)
+        batch, sampled = self.collect(timer, step)  # 1-3 rollout, reward, shape (+ dynamic sampling)
         with timer("score"):  # 4
             batch = batch.replace(**self.learner.score(batch, step, phase))
         with timer("advantage"):  # 5
@@ -150,7 +155,7 @@ class Trainer:
             updated = self.learner.update(batch, phase)
         if phase.trains_actor:
             with timer("sync"):  # the rollout engine samples from the new weights from now on
-                self.rollout.update_weights()
+                self.state.rollout.after_update()
         n_tokens = all_reduce(batch.response_mask.sum()).item()
         rollout_s = timer.seconds.get("rollout", 0.0)  # 0 when carried groups filled the step
         self.state.train_seconds += time.perf_counter() - t0
@@ -181,34 +186,35 @@ class Trainer:
         return out
 
     # ------------------------------------------------------------------ stages 1-3
-    def collect(self, timer: Timer) -> tuple[RolloutBatch, dict[str, float]]:
-        """Generate, reward and shape batches of prompts until this rank holds P/world groups (one batch
-        without dynamic sampling). -> (the step's batch, its sampling metrics over all ranks)"""
-        a, r, s = self.cfg.algo, self.cfg.rollout, self.state
+    def collect(self, timer: Timer, step: int) -> tuple[RolloutBatch, dict[str, float]]:
+        """Take generation batches (made here, or by a rollout rank) until this rank holds P/world groups (one
+        batch without dynamic sampling). -> (the step's batch, its sampling metrics over all ranks)"""
+        s = self.state
         per_trajectory: dict[str, list[Tensor]] = defaultdict(list)
         counts: dict[str, float] = defaultdict(float)
 
         def sample() -> RolloutBatch:
-            prompts = s.prompts.take(self.units.gen_p_local)
-            with timer("rollout"):
-                b = self.rollout.generate(
-                    [p["prompt"] for p in prompts], [p["answer"] for p in prompts], self.units.G,
-                    Sampling.of_rollout(r), group_offset=s.next_group,
-                    with_logprobs=a.rollout_correction != "none" or self.rollout.logprobs_are_free,
-                )  # [N_gen = gen_p_local * G rows]
-            s.next_group += len(prompts)
-            with timer("reward"):
-                b, reward_counts = self.rewards.reward_batch(b)
-            for k, v in reward_counts.items():
+            timer.stage = "rollout"
+            made = s.rollout.next(self.request, s.step, self.cfg.steps - step)
+            for k, v in made.seconds.items():
+                timer.seconds[k] += v
+            for k, v in made.counts.items():
                 counts[k] += v
-            with timer("shape"):
-                b, shaped = shape(b, a, r)
-            for k, v in shaped.items():
+            for k, v in made.per_trajectory.items():
                 per_trajectory[k].append(v)
-            return b
+            return made.batch
 
         batch, pool, sampling = s.sampler.collect(sample, self.learner.logprobs)
-        return batch, sampling_metrics(batch, pool, per_trajectory, {**counts, **sampling})
+        metrics = sampling_metrics(batch, pool, per_trajectory, {**counts, **sampling})
+        return batch, metrics | s.rollout.metrics(batch, s.step)
+
+    def request(self, version: int) -> Request:
+        """The next generation batch: prompts from this rank's stream, to be generated by policy `version`."""
+        s = self.state
+        prompts = s.prompts.take(self.units.gen_p_local)
+        s.next_group += len(prompts)
+        return Request([p["prompt"] for p in prompts], [p["answer"] for p in prompts], s.next_group - len(prompts),
+                       version)
 
     # ------------------------------------------------------------------ stage 5
     def advantage(self, batch: RolloutBatch, step: int, phase: Phase) -> tuple[RolloutBatch, dict[str, float]]:
@@ -291,6 +297,7 @@ class Trainer:
         raise ckpt.Stopped(128 + signum)
 
     def close(self) -> None:
+        self.state.rollout.close()
         self.logger.close()
         self.rewards.close()
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from rlcli.names import ADVANTAGES, AGG_MODES, KL_ESTIMATORS, POLICY_LOSSES, ROLLOUT_CORRECTION_LEVELS
+from rlcli.names import ADVANTAGES, AGG_MODES, KL_ESTIMATORS, OFF_POLICY, POLICY_LOSSES, ROLLOUT_CORRECTION_LEVELS
 from rlcli.schema import ConfigError, check_ranges, rng
 
 BASELINE_WEIGHTS = ("inv_sqrt_len", "uniform")
@@ -134,6 +134,18 @@ class AlgoConfig:
     rollout_correction_lower: float | None = rng(None, ge=0, why="null = truncate only")
     """Lower bound: weights outside [lower, upper] are zeroed (masked IS, IcePop) instead of truncated;
     null = truncate only."""
+
+    # --- off-policy rows: asynchronous rollout (README, "Asynchronous rollout") -------------------
+    off_policy: str = rng("auto", choices=OFF_POLICY)
+    """What the update takes as the old policy of rows a lagging sampler generated: recompute (the trainer's
+    log-probs under this step's weights: the ratio ignores the lag; the synchronous loop) | bypass (the sampler's
+    own log-probs: the PPO ratio and its clip span the whole lag; TRL's async GRPO, prime-rl) | decoupled (AReaL's
+    decoupled PPO, arXiv:2505.24298: the clip around the proximal policy, this step's weights, and each token
+    weighted by π_prox/μ, zeroed above algo.behav_weight_cap, or shaped by algo.rollout_correction when set) |
+    auto = decoupled when rollout.async.max_staleness > 0, else recompute."""
+    behav_weight_cap: float | None = rng(None, gt=0, why="null = no cap")
+    """off_policy=decoupled: tokens whose behaviour weight π_prox/μ exceeds this get weight 0 (AReaL's rule);
+    null = no cap."""
 
     # --- critic (docs/algorithms.md#critic-and-other-terms) ------------------------------------
     value_clip: float | None = rng(0.5, gt=0, why="null = unclipped")

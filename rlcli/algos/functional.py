@@ -599,16 +599,27 @@ def decoupled_policy_loss(
     after the cap), behav_weight_capped_frac (tokens the cap zeroed).
     """
     m = _valid(mask)
-    zero = torch.zeros_like(logp)
     ratio = torch.exp((logp - prox_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     loss, metrics = _surrogate(ratio, advantages, clip_low, clip_high, logp, prox_logp, m)
+    weight, wm = behaviour_weights(prox_logp - behav_logp, mask, behav_weight_cap)
+    return torch.where(m, weight * loss, torch.zeros_like(logp)), metrics | wm
+
+
+def behaviour_weights(log_ratio: Tensor, mask: Tensor, cap: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """Decoupled PPO's token weights π_prox/μ (AReaL, arXiv:2505.24298 §5), with its cap rule.
+
+    Shapes: log_ratio [N, T] (prox_logp - behav_logp), mask [N, T] -> (weights [N, T], metrics).
+        w_t = exp(clamp(log_ratio_t, -20, 20)), and 0 where w_t > cap (too stale to learn from) or masked.
+    No gradient. metrics (masked token means): behav_weight_mean (after the cap), behav_weight_capped_frac.
+    """
     with torch.no_grad():
-        weight = torch.exp(torch.where(m, prox_logp - behav_logp, zero).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-        capped = (weight > behav_weight_cap) if behav_weight_cap is not None else torch.zeros_like(m)
+        m = _valid(mask)
+        zero = torch.zeros_like(log_ratio)
+        weight = torch.exp(torch.where(m, log_ratio, zero).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        capped = (weight > cap) if cap is not None else torch.zeros_like(m)
         weight = torch.where(capped | ~m, zero, weight)
-        metrics["behav_weight_mean"] = masked_mean(weight, m)
-        metrics["behav_weight_capped_frac"] = masked_mean(capped.to(logp.dtype), m)
-    return torch.where(m, weight * loss, zero), metrics
+        return weight, {"behav_weight_mean": masked_mean(weight, m),
+                        "behav_weight_capped_frac": masked_mean(capped.to(log_ratio.dtype), m)}
 
 
 """Levels of `rollout_correction_weights`: one weight per token, or one per sequence."""

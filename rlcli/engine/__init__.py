@@ -29,19 +29,20 @@ def init_distributed(hw: Any) -> None:
     import deepspeed
     import deepspeed.ops
 
-    if dist.is_available() and dist.is_initialized():
-        return
-    if hw.nproc * hw.nnodes == 1:
-        # One process: a private group on a free port, whatever launcher variables the environment
-        # inherited (a parent process's MASTER_PORT may still be bound by that parent).
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port()))
     if hw.device == "cpu" and not hw.shm_comm:
         # DeepSpeed JIT-compiles a shared-memory all-reduce for CPU at first init (~50 s on 2 cores).
         # Marking it incompatible makes DeepSpeed fall back to plain gloo collectives.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     if hw.num_threads:
         torch.set_num_threads(hw.num_threads)
+    if dist.is_available() and dist.is_initialized():  # a second trainer, or the training ranks' own group
+        deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)  # (asynchronous rollout)
+        return
+    if hw.nproc * hw.nnodes == 1:
+        # One process: a private group on a free port, whatever launcher variables the environment
+        # inherited (a parent process's MASTER_PORT may still be bound by that parent).
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
     deepspeed.init_distributed(dist_backend="gloo" if hw.device == "cpu" else "nccl", verbose=False,
                                timeout=timedelta(seconds=hw.collective_timeout_s))
     if hw.device == "cuda":

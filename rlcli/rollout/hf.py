@@ -163,3 +163,9 @@ class HFEngine:
 
     def update_weights(self) -> None:
         """Nothing to do: generation reads the training module's parameters."""
+
+    def weights_checksum(self) -> int:
+        """rlcli.rollout.remote.checksum of the weights generation reads."""
+        from rlcli.rollout.remote import checksum
+
+        return checksum(self.model.parameters())

@@ -121,6 +121,12 @@ class VLLMEngine:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": full_weights(self.model)})
         self.llm.reset_prefix_cache()
 
+    def weights_checksum(self) -> int:
+        """rlcli.rollout.remote.checksum of the engine's own parameters (its fused layout holds the same elements)."""
+        from rlcli.rollout.remote import checksum
+
+        return self.llm.apply_model(lambda model: checksum(model.parameters()))[0]
+
     def wake(self) -> None:
         if self.asleep:
             self.llm.wake_up()
