@@ -116,8 +116,9 @@ class AsyncRolloutConfig:
     """Ranks of the job that only generate (the last ones; each with its own engine, serving an equal share of the
     training ranks); null = half of hw.nproc x hw.nnodes, rounded down."""
     check_sync: bool = True
-    """After every weight push the rollout rank compares a checksum of its engine's weights (bit patterns summed as
-    integers) with the trainer's and fails the job on a mismatch: a push that did not arrive is an error."""
+    """After every weight push the rollout rank compares a checksum of the weights its engine reads (bit patterns
+    summed as integers; vllm: the module it reloads from) with the trainer's and fails the job on a mismatch: a push
+    that did not arrive is an error."""
 
 
 @dataclass
@@ -265,6 +266,9 @@ class LoggerConfig:
     """wandb mode: offline | online | disabled."""
     log_every: int = rng(1, ge=1)
     """Print a metrics line every this many steps."""
+    rollouts: bool = False
+    """Also write each training step's trained trajectories to run_dir/rollouts/step_N.jsonl, one row each: prompt,
+    response, reward, acc, group id, the policy version that generated it (verl's rollout_data_dir)."""
 
 
 @dataclass
@@ -504,7 +508,7 @@ def off_policy(cfg: Any) -> str:
 
 def validate_async(cfg: Any) -> None:
     """Asynchronous rollout: the placement of rollout ranks, and an off-policy correction whenever rows lag."""
-    r, hw, a = cfg.rollout, cfg.hw, cfg.algo
+    r, a = cfg.rollout, cfg.algo
     s, world, k = r["async"].max_staleness, world_size(cfg.hw), rollout_ranks(cfg)
     if a.off_policy == "bypass" and a.rollout_correction != "none":
         raise ConfigError(f"algo.off_policy=bypass takes the sampler's log-probs as the old policy, so "

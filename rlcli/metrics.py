@@ -124,3 +124,25 @@ class MetricsLogger:
 def read_jsonl(path: str) -> list[dict[str, float]]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def dump_rollouts(run_dir: str, step: int, batch: Any, tokenizer: Any) -> None:
+    """logger.rollouts: the trained `batch` of every rank as run_dir/rollouts/step_<step>.jsonl (rank 0 writes it,
+    whole or not at all: a resumed run rewrites the steps it repeats)."""
+    import torch
+
+    from rlcli.engine import rank
+    from rlcli.engine.collectives import gather_objects
+
+    prompts = tokenizer.batch_decode([ids[m.bool()] for ids, m in zip(batch.prompt_ids, batch.prompt_mask)])
+    version = batch.version if batch.version is not None else torch.full((len(batch),), step - 1)
+    rows = [{"prompt": p, "response": t, "reward": float(r), "acc": float(a), "group": int(g), "version": int(v)}
+            for p, t, r, a, g, v in zip(prompts, batch.texts, batch.scores, batch.acc, batch.group_index, version)]
+    parts = gather_objects(rows)
+    if rank() != 0:
+        return
+    out = os.path.join(run_dir, "rollouts", f"step_{step}.jsonl")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out + ".tmp", "w") as f:
+        f.writelines(json.dumps(row) + "\n" for part in parts for row in part)
+    os.replace(out + ".tmp", out)

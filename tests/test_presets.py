@@ -106,7 +106,8 @@ def test_rollout_correction_weights_the_loss_by_trainer_over_sampler(make_traine
 
     t = make_trainer("save=false", "steps=2", "optim.lr=1e-2", "algo.rollout_correction=token", "algo.kl_coef=0")
     cfg = t.cfg
-    t.rollout = HFEngine(copy.deepcopy(t.learner.actor.module).eval(), t.tokenizer, t.model_path, cfg)
+    t.rollout = t.state.rollout.engine = HFEngine(copy.deepcopy(t.learner.actor.module).eval(), t.tokenizer,
+                                                  t.model_path, cfg)
     t.train_step(1)  # the trainer moves, the sampler's copy does not
     phase = rl_phase(cfg)
     batch, _ = t.collect(t.timer)

@@ -15,7 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from rlcli.names import ADVANTAGES, AGG_MODES, KL_ESTIMATORS, OFF_POLICY, POLICY_LOSSES, ROLLOUT_CORRECTION_LEVELS
+from rlcli.names import (
+    ADVANTAGES,
+    AGG_MODES,
+    KL_ESTIMATORS,
+    OFF_POLICY,
+    POLICY_LOSSES,
+    ROLLOUT_CORRECTION_LEVELS,
+)
 from rlcli.schema import ConfigError, check_ranges, rng
 
 BASELINE_WEIGHTS = ("inv_sqrt_len", "uniform")

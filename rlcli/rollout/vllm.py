@@ -122,10 +122,12 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
 
     def weights_checksum(self) -> int:
-        """rlcli.rollout.remote.checksum of the engine's own parameters (its fused layout holds the same elements)."""
+        """rlcli.rollout.remote.checksum of the module the engine reloads from. Not of vLLM's own parameters: on CPU
+        vLLM packs linear weights for oneDNN and empties the parameters, so their bits cannot be read back (that the
+        reload takes is tested instead: tests/test_vllm.py, tests/test_async.py)."""
         from rlcli.rollout.remote import checksum
 
-        return self.llm.apply_model(lambda model: checksum(model.parameters()))[0]
+        return checksum(self.model.parameters())
 
     def wake(self) -> None:
         if self.asleep:
