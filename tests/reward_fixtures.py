@@ -60,3 +60,11 @@ def even_answer(response: str, ground_truth: str) -> float:
 def answer_digits(response: str, ground_truth: str) -> float:
     """A scripted reward predictable from the prompt alone (a critic can learn it): answer length / 4."""
     return len(ground_truth) / 4.0
+
+
+def slow_tail(response: str, ground_truth: str) -> float:
+    """count_sevens, with a long tail: on prompts whose answer ends in 7 (one in ten) it takes 0.3 s per response,
+    so a generation batch holding one takes several times longer than the others (tests/test_async.py)."""
+    if ground_truth.strip().endswith("7"):
+        time.sleep(0.3)
+    return float(response.count("7"))
