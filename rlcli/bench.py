@@ -124,8 +124,43 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{'measure':<34}" + "".join(f"{'rollout.engine=' + e:>22}" for e in ENGINES))
         for label, key, fmt in rows:
             print(f"{label:<34}" + "".join(f"{res[e][key]:>22{fmt}}" for e in ENGINES))
+    if not only or only in ASYNC_SHAPE:
+        async_vs_sync(argv)
     if not only:
         scoring_memory()
+
+
+# Asynchronous rollout pays when generation and the update take comparable time. On the default task the update
+# is ~2.5x the generation, so the asynchronous gain is bounded by the rollout's share; this shape, the default
+# task with a verifier that takes 20 ms per response (a math or code checker under load), balances them.
+ASYNC_SHAPE = "default task, 20 ms verifier"
+ASYNC_ARGS = ["+reward.weights.slow=0.0", "+reward.custom.slow=rlcli.rewards.bench.sleepy_20ms", "steps=8",
+              "eval.before=false", "eval.size=16", "save=false", "checkpoint.every=0"]
+ASYNC_RUNS = {"synchronous (hw=cpu, 2 threads)": ["hw=cpu", "hw.num_threads=2"],
+              "async S=1 (hw=cpu_x2: 1 train + 1 rollout rank)": ["hw=cpu_x2", "rollout.async.max_staleness=1"]}
+
+
+def async_vs_sync(argv: list[str]) -> None:
+    """`rlcli train` synchronously in one process and asynchronously (one training rank, one rollout rank) on the
+    same two cores: median seconds per step over the steps after the first two, the stage times, the ratio."""
+    res = {}
+    for name, overrides in ASYNC_RUNS.items():
+        with tempfile.TemporaryDirectory(prefix="rlcli-bench-") as run:
+            out = subprocess.run([sys.executable, "-m", "rlcli.cli", "train", *ASYNC_ARGS, *overrides, *argv,
+                                  f"hydra.run.dir={run}"], capture_output=True, text=True, timeout=1800)
+            if out.returncode:
+                raise SystemExit(f"bench run ({name}) failed:\n{out.stdout[-2000:]}{out.stderr[-3000:]}")
+            with open(f"{run}/metrics.jsonl") as f:
+                rows = [r for r in map(json.loads, f) if "timing_s/step" in r][2:]
+        res[name] = {k: statistics.median(r.get(k, 0.0) for r in rows) for k in (
+            "timing_s/step", "timing_s/rollout", "timing_s/reward", "timing_s/score", "timing_s/update",
+            "async/trainer_idle_s", "async/rollout_idle_s")}
+    print(f"\nrlcli bench: asynchronous rollout, {ASYNC_SHAPE}, median of {len(rows)} steps after two {' '.join(argv)}")
+    print(f"{'measure':<28}" + "".join(f"{n[:34]:>36}" for n in res))
+    for key in next(iter(res.values())):
+        print(f"{key:<28}" + "".join(f"{r[key]:>36.3f}" for r in res.values()))
+    sync, asyn = (r["timing_s/step"] for r in res.values())
+    print(f"throughput async / sync: {sync / asyn:.2f}x (seconds per step {sync:.2f} -> {asyn:.2f})")
 
 
 def scoring_memory() -> None:
