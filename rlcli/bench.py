@@ -134,10 +134,17 @@ def main(argv: list[str] | None = None) -> None:
 # is ~2.5x the generation, so the asynchronous gain is bounded by the rollout's share; this shape, the default
 # task with a verifier that takes 20 ms per response (a math or code checker under load), balances them.
 ASYNC_SHAPE = "default task, 20 ms verifier"
-ASYNC_ARGS = ["+reward.weights.slow=0.0", "+reward.custom.slow=rlcli.rewards.bench.sleepy_20ms", "steps=8",
+ASYNC_ARGS = ["+reward.weights.slow=0.0", "+reward.custom.slow=rlcli.bench.sleepy_20ms", "steps=8",
               "eval.before=false", "eval.size=16", "save=false", "checkpoint.every=0"]
 ASYNC_RUNS = {"synchronous (hw=cpu, 2 threads)": ["hw=cpu", "hw.num_threads=2"],
               "async S=1 (hw=cpu_x2: 1 train + 1 rollout rank)": ["hw=cpu_x2", "rollout.async.max_staleness=1"]}
+
+
+def sleepy_20ms(response: str, ground_truth: str) -> float:
+    """A verifier that takes 20 ms per response and scores 0 (weight 0 in ASYNC_ARGS): the latency of a math or code
+    checker under load, without its CPU. Runs in the reward workers, which import this light module."""
+    time.sleep(0.02)
+    return 0.0
 
 
 def async_vs_sync(argv: list[str]) -> None:

@@ -7,6 +7,8 @@ from typing import Any
 
 def startup_summary(t: Any) -> str:
     """The start-up summary of a Trainer `t`: what was loaded, the algorithm, and every batch unit."""
+    from rlcli.config import off_policy, rollout_ranks
+
     cfg, a, r, hw, u, learner, s = t.cfg, t.cfg.algo, t.cfg.rollout, t.cfg.hw, t.units, t.learner, t.state
     # ZeRO-3 leaves empty placeholders in the module; ds_numel is the full count of a partitioned one.
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in learner.actor.module.parameters())
@@ -21,6 +23,9 @@ def startup_summary(t: Any) -> str:
         f"  parameters     {n_params / 1e6:.2f}M, dtype {cfg.model.dtype}, precision {hw.precision}"
         + (f"; LoRA r={cfg.model.lora.r}: {n_trainable / 1e6:.2f}M trainable" if cfg.model.lora.r else ""),
         f"  hardware       {hw.name}: device {hw.device}, world size {u.world}, ZeRO-{hw.zero_stage}",
+        "  rollout        " + (f"{r.engine}, synchronous in each training process" if r["async"].max_staleness is None
+                               else f"asynchronous: {rollout_ranks(cfg)} rollout rank(s) with their own {r.engine} "
+                               f"engine, max_staleness {r['async'].max_staleness}, off_policy {off_policy(cfg)}"),
         f"  algorithm      {a.name}: advantage={a.adv_estimator} loss={a.policy_loss} "
         f"clip=({a.clip_low}, {a.clip_high}) agg={a.loss_agg} kl_coef={a.kl_coef}"
         f"{' (in reward)' if a.kl_in_reward else ''} reference model="

@@ -75,7 +75,8 @@ class Trainer:
         self.state = LoopState(
             prompts=PromptStream(train, cfg.seed, cfg.data.shuffle, self.rank, self.units.world),
             sampler=GroupSampler(self.units.p_local, a.dynamic_sampling, a.filter_metric, a.max_gen_batches,
-                                 a.train_on_partial, lockstep=self.learner.lockstep),
+                                 a.train_on_partial, lockstep=self.learner.lockstep, max_carry=self.units.p_local - 1
+                                 if channel else None),
             kl_ctl=build_kl_controller(a), next_group=self.rank * 10**9,  # group ids unique across ranks
             rollout=rollout_source(cfg, channel, self.rollout, self.rewards),
         )

@@ -116,7 +116,7 @@ def trained_groups(run, steps):
     return out
 
 
-LONG_TAIL = ["~reward.weights.sevens", "+reward.weights.tail=1.0", "+reward.custom.tail=reward_fixtures.slow_tail"]
+LONG_TAIL = ["reward.weights.sevens=0.0", "+reward.weights.tail=1.0", "+reward.custom.tail=reward_fixtures.slow_tail"]
 
 
 @pytest.mark.slow

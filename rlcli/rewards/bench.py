@@ -17,13 +17,6 @@ import torch  # noqa: F401 -- imported first, as in the trainer, so it is not ti
 
 from rlcli.rewards import RewardConfig, RewardManager
 
-def sleepy_20ms(response: str, ground_truth: str) -> float:
-    """A verifier that takes 20 ms per response and scores 0 (`make bench`'s asynchronous-rollout shape, weight 0:
-    the latency of a math or code checker under load, without its CPU)."""
-    time.sleep(0.02)
-    return 0.0
-
-
 ADVERSARIAL = {
     "9^9^9^9 boxed": ("\\boxed{9^9^9^9}", "2"),
     "9^{9^{9^{9}}} boxed": ("\\boxed{9^{9^{9^{9}}}}", "2"),

@@ -54,12 +54,15 @@ class GroupSampler:
 
     def __init__(
         self, need: int, dynamic: bool, filter_metric: str, max_gen_batches: int, train_on_partial: bool,
-        agree: Callable[[int], int] = agree_min, lockstep: bool = False,
+        agree: Callable[[int], int] = agree_min, lockstep: bool = False, max_carry: int | None = None,
     ):
         self.need, self.dynamic, self.filter_metric = need, dynamic, filter_metric
         self.max_gen_batches, self.train_on_partial, self.agree = max_gen_batches, train_on_partial, agree
         self.lockstep = lockstep  # ZeRO-3 over ranks: each forward pass is a collective (rlcli.engine.lockstep)
         self.carry: RolloutBatch | None = None
+        # Asynchronous rollout: at most need - 1 groups are carried, so every carried group fits the next step (trained
+        # at exactly one version older) and every step takes a fresh batch (the staleness bound relies on both).
+        self.max_carry = max_carry
 
     def filter_values(self, b: RolloutBatch) -> Tensor:
         """[N] the per-trajectory metric whose within-group variance decides (acc, or score)."""
@@ -99,8 +102,11 @@ class GroupSampler:
         take = min(held, self.need)
         batch = RolloutBatch.cat([p for p in parts if len(p)])
         groups = batch.groups
+        dropped = 0
         if len(groups) > take or self.lockstep:  # lockstep: ranks without a surplus join the forward passes
-            surplus = self.stale_copy(batch.select_groups(groups[take:]), record_old_logp)
+            keep = groups[take:] if self.max_carry is None else groups[take : take + self.max_carry]
+            dropped = len(groups) - take - len(keep)
+            surplus = self.stale_copy(batch.select_groups(keep), record_old_logp)
             self.carry = surplus if len(surplus) else None
             batch = batch.select_groups(groups[:take])
         generated = sum(len(p.groups) for p in pool)
@@ -109,7 +115,7 @@ class GroupSampler:
             "dynamic_sampling/generated_groups": float(generated),
             "dynamic_sampling/kept_groups": float(kept - carried),
             "dynamic_sampling/carried": float(carried),
-        }
+        } | ({"dynamic_sampling/dropped": float(dropped)} if self.max_carry is not None else {})
         return batch, pool, counts
 
     @staticmethod
@@ -146,4 +152,4 @@ def sampling_metrics(batch: RolloutBatch, pool: list[RolloutBatch], per_trajecto
         "dynamic_sampling/kept_fraction": total["dynamic_sampling/kept_groups"]
         / max(total["dynamic_sampling/generated_groups"], 1.0),
         "dynamic_sampling/carried": total["dynamic_sampling/carried"],
-    }
+    } | {k: total[k] for k in ("dynamic_sampling/dropped",) if k in total}
