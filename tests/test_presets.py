@@ -124,6 +124,46 @@ def test_rollout_correction_weights_the_loss_by_trainer_over_sampler(make_traine
     assert m["rollout_corr/weight_mean"] == pytest.approx(float(masked_mean(w, mask)), rel=1e-4)
 
 
+@pytest.mark.parametrize("mode", ["decoupled", "bypass"])
+def test_off_policy_corrections_weight_or_clip_against_the_lagging_sampler(make_trainer, mode):
+    """algo.off_policy with a sampler one update behind (as an asynchronous rollout rank at staleness 1): decoupled
+    multiplies the on-policy surrogate -A by π_prox/μ (capped: weights above the cap are 0), bypass takes the
+    sampler's log-probs as the old policy, so the step's loss is the clipped surrogate of π/μ. A weight never
+    applied, an inverted ratio or a cap ignored change pg_loss."""
+    import copy
+
+    from rlcli.algos.functional import aggregate, behaviour_weights, clipped_policy_loss
+    from rlcli.learner import rl_phase
+    from rlcli.rollout.hf import HFEngine
+
+    cap = ["algo.behav_weight_cap=1.05"] if mode == "decoupled" else []
+    t = make_trainer("save=false", "steps=2", "optim.lr=1e-2", f"algo.off_policy={mode}", "algo.kl_coef=0", *cap)
+    cfg = t.cfg
+    t.rollout = t.state.rollout.engine = HFEngine(copy.deepcopy(t.learner.actor.module).eval(), t.tokenizer,
+                                                  t.model_path, cfg)
+    t.train_step(1)
+    phase = rl_phase(cfg)
+    batch, _ = t.collect(t.timer)
+    batch = batch.replace(**t.learner.score(batch, 2, phase))
+    batch, _ = t.advantage(batch, 2, phase)
+    mask, a = batch.loss_mask, cfg.algo
+    logp = t.learner.logprobs(batch)  # [N, T] the trainer now
+    agg = dict(max_len=cfg.rollout.max_new_tokens)
+    if mode == "decoupled":
+        w, wm = behaviour_weights(logp - batch.rollout_logp, mask, cap=1.05)
+        assert 0 < float(wm["behav_weight_capped_frac"]) < 1, "the cap must bite on some tokens only"
+        want = aggregate(-batch.advantages * w, mask, a.loss_agg, **agg)
+    else:
+        loss_mat, _ = clipped_policy_loss(logp, batch.rollout_logp, batch.advantages, mask, a.clip_low, a.clip_high)
+        want = aggregate(loss_mat, mask, a.loss_agg, **agg)
+    m = t.learner.update(batch, phase)
+    assert m["actor/pg_loss"] == pytest.approx(float(want), rel=1e-4, abs=1e-6)
+    if mode == "decoupled":
+        assert m["actor/behav_weight_mean"] == pytest.approx(float(wm["behav_weight_mean"]), rel=1e-4)
+    else:
+        assert m["actor/pg_clipfrac"] > 0  # the ratio π/μ spans the lag: some tokens leave the trust region
+
+
 def test_a_run_whose_loss_is_never_finite_stops_naming_the_step(make_trainer, monkeypatch):
     """Every step's loss forced to NaN: each optimizer step is skipped (never applied), and after
     optim.max_skipped_steps steps in a row the run stops with an error that names the step and the last
