@@ -347,12 +347,12 @@ def auto_budget(cfg: Any, prompt: tuple[int, str]) -> Plan:
 
 
 def _estimate(cfg: Any, prompt: tuple[int, str], budget: int | None, budget_note: str) -> Plan:
-    from rlcli.config import units, world_size
+    from rlcli.config import trainer_ranks, units
     from rlcli.names import NEEDS_VALUES
 
     hw, m, r, a = cfg.hw, cfg.model, cfg.rollout, cfg.algo
     arch = arch_of(m)
-    world = world_size(hw)
+    world = trainer_ranks(cfg)  # ZeRO shards over the training ranks (not asynchronous rollout's rollout ranks)
     psi = param_count(arch)
     lora = m.lora.r > 0
     trainable = lora_param_count(arch, m.lora) if lora else psi

@@ -1,9 +1,10 @@
 """DAPO dynamic sampling in the real trainer (tiny random-init model, real reward workers).
 
 Scripted user rewards make it deterministic: `even_answer` ignores the response (every group has
-zero variance), and `count_sevens` on a random-init model gives a seeded mix. Seed 5 was found by
-scanning seeds 0-11 (`python` loop over Trainer.collect, 2026-11-22): its first generation batch of
-3 groups keeps fewer than P=2, the refill overshoots, and one informative group is carried.
+zero variance), and `count_sevens` on a random-init model gives a seeded mix. Seed 1 was found by
+scanning seeds 0-15 (a loop over Trainer.collect, 2026-11-24, since each generation batch samples from its own
+seed): its first generation batch of 3 groups keeps fewer than P=2, the refill overshoots, and one informative
+group is carried. Seed 7 needs 4 generation batches.
 """
 
 import pytest
@@ -40,7 +41,7 @@ def group_has_variance(batch, g):
 
 
 def test_keeps_informative_groups_refills_and_carries_the_surplus(make_trainer):
-    t = trainer(make_trainer, "count_sevens", "seed=5")
+    t = trainer(make_trainer, "count_sevens", "seed=1")
     batch, metrics = t.collect(Timer())
     # Exactly P groups, each informative, found over a refill.
     assert len(batch.groups) == 2 and len(batch) == 8
@@ -72,7 +73,7 @@ def test_keeps_informative_groups_refills_and_carries_the_surplus(make_trainer):
 def test_carried_groups_keep_their_old_logp_in_the_update(make_trainer):
     """On-policy shortcut (1 mini-batch, 1 epoch) must not apply to carried rows: their ratio is
     π_now / π_sampling, so after one update it differs from 1 (DAPO, arXiv:2503.14476 §3.2; the carry is rlcli's)."""
-    t = trainer(make_trainer, "count_sevens", "seed=5")
+    t = trainer(make_trainer, "count_sevens", "seed=1")
     b1, _ = t.collect(Timer())
     finish_step(t, b1)
     b2, _ = t.collect(Timer())
@@ -96,8 +97,8 @@ def test_fails_with_an_actionable_message_when_the_cap_is_hit(make_trainer):
 
 
 def test_train_on_partial_uses_what_was_found(make_trainer):
-    # seed 10 needed 4 batches to fill P=2; with a cap of 1 batch it keeps fewer groups and trains on them.
-    t = trainer(make_trainer, "count_sevens", "seed=10", "algo.max_gen_batches=1",
+    # seed 7 needs 4 batches to fill P=2; with a cap of 1 batch it keeps fewer groups and trains on them.
+    t = trainer(make_trainer, "count_sevens", "seed=7", "algo.max_gen_batches=1",
                 "algo.train_on_partial=true")
     batch, m = t.collect(Timer())
     assert m["dynamic_sampling/gen_batches"] == 1 and 1 <= len(batch.groups) < 2
