@@ -115,7 +115,7 @@ class GroupSampler:
             "dynamic_sampling/generated_groups": float(generated),
             "dynamic_sampling/kept_groups": float(kept - carried),
             "dynamic_sampling/carried": float(carried),
-        } | ({"dynamic_sampling/dropped": float(dropped)} if self.max_carry is not None else {})
+        } | ({"dynamic_sampling/dropped": float(dropped)} if self.dynamic and self.max_carry is not None else {})
         return batch, pool, counts
 
     @staticmethod
