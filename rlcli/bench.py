@@ -7,7 +7,10 @@
    weights, up to 256 new tokens), and the real SmolLM2-135M-Instruct on its chat task as `model=smollm2-135m`
    trains it. Extra arguments are Hydra overrides for every run, e.g. `make bench ARGS="algo=vapo
    hw.num_threads=1"`; `--only=SmolLM2` runs the shapes whose name contains that text.
-2. Measures the peak memory of one log-prob + entropy scoring pass at Qwen2.5's vocabulary (152,064)
+2. Asynchronous rollout against synchronous on the same two cores: two 8-step `rlcli train` jobs on the default
+   task with a verifier that takes 20 ms per response (`hw=cpu` vs `hw=cpu_x2 rollout.async.max_staleness=1`),
+   their median stage times and the throughput ratio in one table (`--only="default task"` runs it alone).
+3. Measures the peak memory of one log-prob + entropy scoring pass at Qwen2.5's vocabulary (152,064)
    for each `hw.logits_chunk`, each in a fresh process (peak RSS above the process's RSS after the
    model is built): the whole-sequence pass holds fp32 [rows, prompt+response, vocab] logits.
 """
