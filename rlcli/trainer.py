@@ -124,6 +124,7 @@ class Trainer:
                     path = self.save_checkpoint()
                 if signum:
                     self.stop(signum, path)
+        s.rollout.close()  # the rollout ranks are done: none waits on its request timeout through the evaluation
         s.result["train_seconds"] = s.train_seconds
         s.result["eval_after"] = self.evaluate()
         self.logger.log({f"{k}_after": v for k, v in s.result["eval_after"].items()}, step=cfg.steps)

@@ -152,6 +152,16 @@ def test_reference_and_critic_rows_follow_the_algorithm():
     assert lora.rows["reference model"] == 0 and lora.rows["gradients"] < 0.1 * grpo.rows["gradients"]
 
 
+def test_zero_shards_over_the_training_ranks_only():
+    """With asynchronous rollout the rollout ranks hold no model states: ZeRO-2 on hw=cpu_x2 with one rollout rank
+    shards over the one training rank, as hw.nproc=1 does, not over two."""
+    one = estimate(compose("hw=cpu_x2", "hw.nproc=1", "hw.zero_stage=2"))
+    two = estimate(compose("hw=cpu_x2", "hw.zero_stage=2"))
+    split = estimate(compose("hw=cpu_x2", "hw.zero_stage=2", "rollout.async.max_staleness=1"))
+    assert two.rows["optimizer states"] < one.rows["optimizer states"]
+    assert split.rows["optimizer states"] == one.rows["optimizer states"]
+
+
 # The headline command without its fit (conf/fit/qwen2.5-32b_8xa100.yaml): what it planned before.
 UNFITTED = ["hw.offload_optimizer=false", "rollout.tensor_parallel_size=1", "rollout.sleep_mode=false",
             "rollout.gpu_memory_utilization=0.4"]

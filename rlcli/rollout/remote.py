@@ -339,11 +339,14 @@ class RemoteRollout:
         self.queue = deque(state["queue"])
 
     def close(self) -> None:
-        """Tell the rollout rank this trainer is done (batches still in flight are received and dropped)."""
+        """Tell the rollout rank this trainer is done (batches still in flight are received and dropped); once."""
+        if self.server is None:
+            return
         while self.in_flight:
             self.receive()
         self.channel.send_object(None, self.server)
         self.channel.flush()
+        self.server = None
 
 
 def serve(cfg: Any, channel: Channel, place: Placement) -> None:
