@@ -162,6 +162,29 @@ def test_the_bound_holds_and_no_prompt_is_lost_or_trained_twice_across_a_kill(tm
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
+def test_sigterm_checkpoints_with_the_batch_in_flight_and_resumes(tmp_path, cache):
+    """SIGTERM (Ctrl-C, Slurm) reaches every rank through torchrun: the rollout rank keeps serving until the training
+    rank has finished its step and saved the checkpoint, with the batch generated ahead in it; the run resumes."""
+    from rlcli import checkpoint as ckpt
+
+    args = ["steps=6", "hw=cpu_x2", "rollout.async.max_staleness=1", *FAST, "eval.before=false",
+            "checkpoint.every=0"]
+    run = tmp_path / "run"
+    proc = start(tmp_path, cache, *args, f"hydra.run.dir={run}")
+    wait_for(logged_step(run, 2), proc)
+    proc.send_signal(signal.SIGTERM)
+    code, out = finish(proc)
+    assert code == 128 + signal.SIGTERM and "continue with" in out, out[-4000:]
+    path = ckpt.latest(str(run))
+    assert path is not None
+    queue = torch.load(f"{path}/rank_0.pt", weights_only=False)["rollout"]["queue"]
+    assert len(queue) == 1  # the batch asked ahead (S = 1) was received and saved
+    out = train(tmp_path, cache, *args, f"hydra.run.dir={run}", "resume=auto")
+    assert "resumed from" in out
+    assert [r["step"] for r in metric_rows(run) if "async/staleness_max" in r] == list(range(1, 7))
+
+
 def rollout_worker(proc):
     """The torchrun worker with RANK=1 (the rollout rank) under the run `proc`."""
     for p in psutil.Process(proc.pid).children(recursive=True):

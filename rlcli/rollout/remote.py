@@ -352,12 +352,19 @@ class RemoteRollout:
 def serve(cfg: Any, channel: Channel, place: Placement) -> None:
     """A rollout rank's life: build an engine and the reward functions, then take requests from the training
     ranks it serves, in turn, generating each with the version it names, until each has said it is done."""
+    import signal
+
     from omegaconf import OmegaConf
 
     from rlcli.models import load_policy, resolve_model_path
     from rlcli.rewards import RewardManager
     from rlcli.rollout import ROLLOUT_ENGINES
 
+    # A stop (SIGTERM/SIGINT through torchrun) is the training ranks' to handle: they finish the step and checkpoint,
+    # receiving the batches in flight from this rank first, then say they are done. torchrun kills it after
+    # hw.shutdown_timeout_s if they never do.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
     if cfg.hw.num_threads:
         torch.set_num_threads(cfg.hw.num_threads)
     path, _ = resolve_model_path(cfg.model, cfg.data)
