@@ -25,7 +25,7 @@ class RolloutBatch:
     prompt_ids: Tensor  # [N, Tp] left-padded
     prompt_mask: Tensor  # [N, Tp] 1 on prompt tokens
     response_ids: Tensor  # [N, T] right-padded
-    response_mask: Tensor  # [N, T] 1 on generated tokens incl. EOS (docs/design.md#masks)
+    response_mask: Tensor  # [N, T] 1 on generated tokens incl. EOS: the tokens every loss trains (docs/design.md#masks)
     truncated: Tensor  # [N] bool: hit max_new_tokens without EOS
     group_index: Tensor  # [N] int: responses of one prompt share an index
     answers: list[str]  # [N] ground truth per trajectory
@@ -44,12 +44,20 @@ class RolloutBatch:
     stale: Tensor | None = None  # [N] bool: carried over from an earlier step (dynamic sampling)
     version: Tensor | None = None  # [N] long: the policy version (training steps done) that generated the row
     extras: dict[str, Tensor] = field(default_factory=dict)  # per-trajectory [N] reward parts etc.
+    # [N, T] 1 on every real response token: the generated ones and, in a multi-turn row, the observations
+    # between turns (tool output, template turns; rlcli.envs), which the model reads but no loss trains.
+    # What the forward pass attends to. None on construction = response_mask (a single-turn row).
+    token_mask: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.token_mask is None:
+            self.token_mask = self.response_mask
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]
 
     @property
-    def lengths(self) -> Tensor:  # [N]
+    def lengths(self) -> Tensor:  # [N] generated tokens (observation tokens of a multi-turn row not counted)
         return self.response_mask.sum(-1).long()
 
     @property
@@ -85,7 +93,7 @@ class RolloutBatch:
         trailing response columns): [n, Tp] -> [n, Tp'], [n, T] -> [n, T']. Position ids count real
         tokens only (rlcli.models.joint_inputs), so no output on a real token changes."""
         tp = max(int(self.prompt_mask.sum(-1).max()), 1) if len(self) else 1
-        t = max(int(self.response_mask.sum(-1).max()), 1) if len(self) else 1
+        t = max(int(self.token_mask.sum(-1).max()), 1) if len(self) else 1
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         for name, v in out.items():
             if isinstance(v, Tensor) and v.dim() == 2:

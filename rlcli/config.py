@@ -23,7 +23,7 @@ from rlcli.algos.config import AlgoConfig
 from rlcli.checkpoint import CheckpointConfig
 from rlcli.data.config import DataConfig
 from rlcli.models.config import CriticConfig, TinyModelConfig, WarmStartConfig
-from rlcli.names import ATTN_IMPLEMENTATIONS, MODEL_DTYPES, ROLLOUT_ENGINES, SCHEDULERS
+from rlcli.names import ATTN_IMPLEMENTATIONS, MODEL_DTYPES, ROLLOUT_ENGINES, SCHEDULERS, TOOL_FORMATS
 from rlcli.rewards.config import RewardConfig, group_base
 from rlcli.schema import ConfigError, check_ranges, keyword_field, rng
 
@@ -257,6 +257,34 @@ class HWConfig:
 
 
 @dataclass
+class EnvConfig:
+    """Multi-turn rollout with an environment between the policy's turns (rlcli/envs; README, "Multi-turn and tools")."""
+
+    name: str | None = None
+    """null = single-turn rollout; tools = call env.tools and show their results; or a dotted path to a class with
+    the rlcli.envs.Environment methods, built as cls(env_cfg, toolbox)."""
+    tools: list[str] = field(default_factory=list)
+    """Dotted paths of @rlcli.envs.tool functions, e.g. [rlcli.envs.calculator.calc]."""
+    tool_format: str = rng("compact", choices=TOOL_FORMATS)
+    """How the model writes a call: compact = name(argument) on its own line; hermes = <tool_call>{json}</tool_call>."""
+    template: str | None = None
+    """Chat template of the conversation: null = the tokenizer's; plain = text turns for tokenizers without one; or a
+    literal Jinja template."""
+    system_prompt: str | None = None
+    """A system message before the prompt (null = none)."""
+    max_turns: int = rng(4, ge=1)
+    """Assistant turns per trajectory; a trajectory still calling a tool after the last one ends there."""
+    max_observation_chars: int = rng(512, ge=1)
+    """Each tool result is cut to this many characters before it is rendered."""
+    tool_timeout_s: float = rng(5.0, gt=0)
+    """Per call: a call running longer is interrupted, and its result is an error text the policy reads."""
+    tool_memory_mb: int = rng(1024, ge=64)
+    """Address-space cap of each tool worker process."""
+    tool_workers: int = rng(2, ge=1)
+    """Sandboxed processes that run tool calls (rlcli/rewards/pool.py)."""
+
+
+@dataclass
 class LoggerConfig:
     name: str = rng("stdout", choices=("stdout", "wandb"))
     """stdout | wandb. metrics.jsonl is always written to the run directory."""
@@ -328,6 +356,8 @@ class Config:
     """Where metrics go (conf/logger/)."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Sampling settings and batch units P and G."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Multi-turn rollout: environment and tools (conf/env/; null name = single-turn)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer and LR schedule (the actor's)."""
     critic: CriticConfig = field(default_factory=CriticConfig)
@@ -443,6 +473,7 @@ def validate(cfg: DictConfig | Any) -> None:
     validate_tiny(cfg.model.tiny)
     r, hw, a = cfg.rollout, cfg.hw, cfg.algo
     validate_async(cfg)
+    validate_env(cfg)
     p, world = units(cfg).P, trainer_ranks(cfg)
     ranks = f"hw.nproc x hw.nnodes = {world} ranks" if hw.nnodes > 1 else f"hw.nproc={hw.nproc}"
     if rollout_ranks(cfg):
@@ -580,6 +611,27 @@ def validate_switches(cfg: Any) -> None:
             f"algo.group_sampling=false samples each prompt once, but algo.adv_estimator={a.adv_estimator} "
             "compares the responses of a group: keep algo.group_sampling=true, or use gae / reinforce_pp"
         )
+
+
+def validate_env(cfg: Any) -> None:
+    """Multi-turn rollout's rules (README, "Multi-turn and tools")."""
+    e, r = cfg.env, cfg.rollout
+    if e.name is None:
+        if e.tools:
+            raise ConfigError(f"env.tools={list(e.tools)} are called by an environment, but env.name=null (single-turn): "
+                              "set env.name=tools (or env=calculator)")
+        return
+    if e.name == "tools" and not e.tools:
+        raise ConfigError("env.name=tools with no env.tools: list @rlcli.envs.tool functions by dotted path, e.g. "
+                          "env.tools=[rlcli.envs.calculator.calc]")
+    if r.tensor_parallel_size > 1 or (cfg.hw.zero_stage == 3 and trainer_ranks(cfg) > 1 and r.engine == "hf"):
+        raise ConfigError("multi-turn rollout (env.name set) needs an engine each rank drives alone: trajectories end "
+                          "after different numbers of turns on different ranks, but a tensor-parallel vLLM engine and "
+                          "HF generation under ZeRO-3 over ranks generate together: set rollout.tensor_parallel_size=1, "
+                          "and hw.zero_stage <= 2 or rollout.engine=vllm")
+    if cfg.data.source != "arith" and cfg.data.chat != "never":
+        raise ConfigError(f"env.name={e.name} renders the conversation with env.template, so the data must not be "
+                          "rendered with the chat template first: set data.chat=never")
 
 
 def load_frozen(path: str) -> DictConfig:

@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 
 from rlcli.answers import extract_final_answer_or_none
 from rlcli.eval_metrics import summarize
-from rlcli.rollout import ROLLOUT_ENGINES, Sampling
+from rlcli.rollout import Sampling, build_engine
 
 
 def sample_and_verify(
@@ -42,14 +42,17 @@ def sample_and_verify(
                 "correct": [bool(out.acc[j] > 0.5) for j in rows],
                 "response_length": [lengths[j] for j in rows],
                 "truncated": [bool(truncated[j]) for j in rows],
-            })
+            } | ({"tool_calls": [int(b.extras["env/tool_calls"][j]) for j in rows]} if "env/tool_calls" in b.extras else {}))
         bar.update(len(part))
     bar.close()
     return results
 
 
 def metrics(per_prompt: list[dict[str, Any]], eval_cfg: Any) -> dict[str, float]:
-    return summarize(per_prompt, pass_ks=list(eval_cfg.pass_ks) or None)
+    """summarize's metrics, and with multi-turn rollout eval/tool_use: the share of responses that called a tool."""
+    out = summarize(per_prompt, pass_ks=list(eval_cfg.pass_ks) or None)
+    calls = [c for row in per_prompt for c in row.get("tool_calls", [])]
+    return out | ({"eval/tool_use": sum(c > 0 for c in calls) / len(calls)} if calls else {})
 
 
 def run_eval(cfg: Any) -> dict[str, float]:
@@ -81,7 +84,7 @@ def run_eval(cfg: Any) -> dict[str, float]:
         flush=True,
     )
     with RewardManager(cfg.reward) as rewards:
-        engine = ROLLOUT_ENGINES[cfg.rollout.engine](model, tokenizer, path, cfg)
+        engine = build_engine(cfg.rollout.engine, model, tokenizer, path, cfg)
         per_prompt = sample_and_verify(engine, examples, e, cfg.rollout, rewards, progress=True)
     summary = metrics(per_prompt, e)
     os.makedirs(cfg.run_dir, exist_ok=True)

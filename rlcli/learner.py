@@ -138,8 +138,8 @@ class Learner:
 
     # ------------------------------------------------------------------ stage 4: score
     def per_token(self, fn: Callable[..., Tensor], b: RolloutBatch) -> Tensor:
-        """fn(prompt_ids, prompt_mask, response_ids, response_mask) -> [n, T'] over the (trimmed)
-        micro-batches of `b`, without grad, zero on padding. -> [N, T]"""
+        """fn(prompt_ids, prompt_mask, response_ids, token_mask) -> [n, T'] over the (trimmed) micro-batches of
+        `b`, without grad; zero where response_mask is (padding, and the observations of multi-turn rows). -> [N, T]"""
         out = torch.zeros(b.response_mask.shape)  # [N, T]
         with torch.no_grad():
             for idx in self.micro_batches(b):
@@ -148,7 +148,7 @@ class Learner:
                     fn(one, torch.ones_like(one), one, torch.ones(1, 1))
                     continue
                 mb = b.select(idx).trimmed()
-                v = fn(mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask).cpu()  # [n, T']
+                v = fn(mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.token_mask).cpu()  # [n, T']
                 out[idx, : v.shape[1]] = v
         return out * b.response_mask
 
@@ -244,7 +244,7 @@ class Learner:
                 for i, idx in enumerate(micro):
                     mbi, last = mb.select(idx).trimmed(), i == len(micro) - 1
                     slots += mbi.prompt_ids.numel() + mbi.response_ids.numel()
-                    real += float(mbi.prompt_mask.sum() + mbi.response_mask.sum())
+                    real += float(mbi.prompt_mask.sum() + mbi.token_mask.sum())
                     m: dict[str, float] = {}
                     if engines["actor"] is not None:
                         loss, m = self.micro_loss(mbi, norms)
@@ -291,7 +291,7 @@ class Learner:
         a = self.cfg.algo
         mask = mb.loss_mask.to(self.device)  # [n, T]
         logp, entropy = response_logprobs(
-            self.actor.module, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,
+            self.actor.module, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.token_mask,
             self.cfg.rollout.temperature, with_entropy=True, entropy_grad=a.entropy_coef != 0, chunk=self.chunk,
         )  # [n, T] each
         old = logp.detach()  # on-policy: the ratio is exactly 1 and its gradient is ∇log π
@@ -343,7 +343,7 @@ class Learner:
         """The clipped value loss of one micro-batch, normalised by the mini-batch's token count."""
         mask = mb.loss_mask.to(self.device)
         head = response_head_outputs(self.critic.module, mb.prompt_ids, mb.prompt_mask, mb.response_ids,
-                                     mb.response_mask)  # [n, T, K]
+                                     mb.token_mask)  # [n, T, K]
         loss, cm = critic_loss(head, mb.values.to(self.device), mb.returns.to(self.device), mask,
                                self.critic.module.spec, self.cfg.algo.value_clip, norms["num_tokens"])
         share = mask.sum().item() / norms["num_tokens"]
@@ -358,7 +358,7 @@ class Learner:
         micro-batch, after RolloutBatch.trimmed). Rows go longest first, so a micro-batch holds rows of
         similar length and little padding (perf/padding_frac). Memory only: the math does not depend on it."""
         hw = self.cfg.hw
-        tp, t = b.prompt_mask.sum(-1).long().tolist(), b.response_mask.sum(-1).long().tolist()
+        tp, t = b.prompt_mask.sum(-1).long().tolist(), b.token_mask.sum(-1).long().tolist()
         order = sorted(range(len(b)), key=lambda i: -(tp[i] + t[i]))  # stable: ties keep their order
         parts: list[list[int]] = []
         width = (0, 0)  # longest prompt and response of the micro-batch being filled

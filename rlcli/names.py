@@ -45,6 +45,7 @@ AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_sum
 ROLLOUT_CORRECTION_LEVELS = ("token", "sequence")
 OFF_POLICY = ("auto", "recompute", "bypass", "decoupled")  # algo.off_policy (README, "Asynchronous rollout")
 ROLLOUT_ENGINES = Names("rollout engine", ("hf", "vllm"))
+TOOL_FORMATS = ("compact", "hermes")  # env.tool_format (rlcli/envs/tools.py)
 SCHEDULERS = ("constant_with_warmup", "constant", "linear", "cosine", "cosine_with_restarts", "polynomial", "inverse_sqrt")
 """optim.scheduler: the transformers.get_scheduler names that need only warmup and total steps (the others need
 extra arguments rlcli does not pass)."""

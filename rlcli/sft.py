@@ -86,18 +86,43 @@ def _encode_examples(
     rows = []
     for ex in examples:
         prompt = tokenizer(ex["prompt"], add_special_tokens=False)["input_ids"]
-        target = tokenizer(ex["solution"], add_special_tokens=False)["input_ids"]
-        rows.append((prompt, target + [tokenizer.eos_token_id]))
-    width = max(len(p) + len(t) for p, t in rows)
+        if "turns" in ex:  # a tool demonstration: observations are rendered as in rollout and get no loss
+            target, labels = _encode_turns(tokenizer, ex)
+        else:
+            target = tokenizer(ex["solution"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            labels = target
+        rows.append((prompt, target, labels))
+    width = max(len(p) + len(t) for p, t, _ in rows)
     ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)  # [B, L]
     labels = torch.full((len(rows), width), -100, dtype=torch.long)  # [B, L]
     mask = torch.zeros((len(rows), width), dtype=torch.long)  # [B, L]
-    for i, (p, t) in enumerate(rows):
+    for i, (p, t, y) in enumerate(rows):
         n = len(p) + len(t)
         ids[i, :n] = torch.tensor(p + t)
-        labels[i, len(p) : n] = torch.tensor(t)
+        labels[i, len(p) : n] = torch.tensor(y)
         mask[i, :n] = 1
     return ids, mask, labels
+
+
+def _encode_turns(tokenizer: PreTrainedTokenizerBase, ex: dict) -> tuple[list[int], list[int]]:
+    """A demonstration's turns after the prompt -> (token ids, labels: -100 on observation tokens), with the
+    observations cut from the plain chat template exactly as multi-turn rollout cuts them (rlcli.envs.chat)."""
+    from rlcli.envs.chat import ChatFormat
+
+    chat = ChatFormat(tokenizer, "plain")
+    history: list[dict[str, str]] = [{"role": "user", "content": ex["prompt"]}]
+    ids: list[int] = []
+    labels: list[int] = []
+    for message in ex["turns"]:
+        if message["role"] == "assistant":
+            part = tokenizer(message["content"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            labels += part
+        else:
+            part = chat.observation_ids(history, [message])
+            labels += [-100] * len(part)
+        ids += part
+        history.append(message)
+    return ids, labels
 
 
 def sft_train(
@@ -250,7 +275,8 @@ def warm_start_key(
     tiny_cfg: TinyModelConfig, ws_cfg: WarmStartConfig, data_kwargs: dict[str, Any]
 ) -> str:
     """Hash of everything that shapes the warm-started model (cache_dir excluded)."""
-    ws = {k: v for k, v in asdict(ws_cfg).items() if k != "cache_dir"}
+    # tool_demos=0 leaves the key of a warm start without tool demonstrations as it was before the knob existed
+    ws = {k: v for k, v in asdict(ws_cfg).items() if k != "cache_dir" and (k != "tool_demos" or v)}
     tokenizer_hash = hashlib.sha256((TOKENIZER_DIR / "tokenizer.json").read_bytes()).hexdigest()
     blob = json.dumps(
         {
@@ -294,6 +320,11 @@ def warm_start(
         train = arith_examples(
             "train", ws_cfg.steps * ws_cfg.batch_size, ws_cfg.seed, carry_slip=ws_cfg.carry_slip, **data_kwargs
         )
+        if ws_cfg.tool_demos:  # the same problems; a share of them solved with the calculator (own random stream)
+            from rlcli.envs.calculator import demonstration
+
+            coin = random.Random(f"tool_demos/{ws_cfg.seed}")
+            train = [demonstration(ex) if coin.random() < ws_cfg.tool_demos else ex for ex in train]
         evals = arith_examples("eval", ws_cfg.eval_size, ws_cfg.seed, **data_kwargs)
         stats: dict[str, Any] = {"steps": 0, "loss": None, "seconds": 0.0}
         if ws_cfg.enabled and ws_cfg.steps > 0:
@@ -363,6 +394,7 @@ if __name__ == "__main__":
     parser.add_argument("--max-digits", type=int, default=DataConfig.max_digits)
     parser.add_argument("--ops", default="+")
     parser.add_argument("--carry-slip", type=float, default=WarmStartConfig.carry_slip)
+    parser.add_argument("--tool-demos", type=float, default=WarmStartConfig.tool_demos)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--cache-dir", default=None)
     args = parser.parse_args()
@@ -370,7 +402,7 @@ if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO)
     ws = WarmStartConfig(
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-        carry_slip=args.carry_slip, cache_dir=args.cache_dir,
+        carry_slip=args.carry_slip, tool_demos=args.tool_demos, cache_dir=args.cache_dir,
     )
     path = warm_start(
         TinyModelConfig(), ws, min_digits=args.min_digits, max_digits=args.max_digits, ops=args.ops

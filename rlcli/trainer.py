@@ -43,7 +43,7 @@ from rlcli.metrics import MetricsLogger, Timer, dump_rollouts, peak_mem_gb
 from rlcli.models import resolve_model_path
 from rlcli.plan import fix_budget, longest_prompt
 from rlcli.rewards import RewardManager
-from rlcli.rollout import ROLLOUT_ENGINES, HFEngine
+from rlcli.rollout import build_engine
 from rlcli.rollout.remote import rollout_source
 from rlcli.rollout.sampler import DynamicSamplingExhausted, GroupSampler, sampling_metrics
 from rlcli.state import LoopState, seed_everything
@@ -70,8 +70,8 @@ class Trainer:
         if cfg.hw.max_tokens_per_micro_batch == "auto":  # `rlcli train` fixes it; a Trainer built in code does here
             fix_budget(cfg, longest_prompt(self.tokenizer, train + evals))
         self.eval_examples = evals[: cfg.eval.size] if cfg.eval.size else evals
-        engine = HFEngine if channel else ROLLOUT_ENGINES[cfg.rollout.engine]  # with rollout ranks: evaluation only
-        self.rollout = engine(self.learner.actor.module, self.tokenizer, self.model_path, cfg)
+        engine = "hf" if channel else cfg.rollout.engine  # with rollout ranks: evaluation only
+        self.rollout = build_engine(engine, self.learner.actor.module, self.tokenizer, self.model_path, cfg)
         self.state = LoopState(
             prompts=PromptStream(train, cfg.seed, cfg.data.shuffle, self.rank, self.units.world),
             sampler=GroupSampler(self.units.p_local, a.dynamic_sampling, a.filter_metric, a.max_gen_batches,
@@ -216,7 +216,7 @@ class Trainer:
         the loss mask. The RL phase feeds the in-reward KL (mean per token, all ranks) to β's controller
         (adaptive: Ziegler et al. 2019). -> (`batch` with advantages and returns [N, T], KL metrics)"""
         a, kl_ctl = phase.algo, self.state.kl_ctl
-        rewards = outcome_token_rewards(batch.scores, batch.lengths, batch.response_mask)  # [N, T]
+        rewards = outcome_token_rewards(batch.scores, batch.response_mask)  # [N, T]
         metrics: dict[str, float] = {}
         if self.learner.ref is not None and a.kl_in_reward:
             kl = kl_estimate(batch.old_logp, batch.ref_logp, a.kl_estimator) * batch.response_mask  # [N, T]

@@ -59,12 +59,15 @@ class AdvantageInputs:
 ADVANTAGES = Registry(names.ADVANTAGES)
 
 
-def outcome_token_rewards(scores: Tensor, lengths: Tensor, response_mask: Tensor) -> Tensor:
-    """The outcome reward as a token tensor: each trajectory's score [N] on its last response token
-    (lengths [N]), 0 elsewhere. -> [N, T] shaped like response_mask"""
+def outcome_token_rewards(scores: Tensor, response_mask: Tensor) -> Tensor:
+    """The outcome reward as a token tensor: each trajectory's score [N] on its last generated token (the
+    last valid position of response_mask [N, T], which in a multi-turn row is not its length - 1: observation
+    tokens sit between turns), 0 elsewhere; an empty row holds it on position 0. -> [N, T]"""
     n, t = response_mask.shape
+    positions = torch.arange(t).expand(n, t)  # [N, T]
+    last = torch.where(F._valid(response_mask), positions, torch.zeros_like(positions)).amax(-1)  # [N]
     rewards = torch.zeros(n, t)  # [N, T]
-    rewards[torch.arange(n), (lengths - 1).clamp(min=0)] = scores
+    rewards[torch.arange(n), last] = scores
     return rewards
 
 

@@ -56,6 +56,8 @@ class WarmStartConfig:
     """Seed of model init, training order and the sampled-accuracy probe."""
     carry_slip: float = rng(0.6, ge=0, le=1)
     """Chance that a demonstration forgets each carry it should take (imperfect SFT data; module doc)."""
+    tool_demos: float = rng(0.0, ge=0, le=1)
+    """Share of demonstrations solved with the calculator tool instead (env=calculator; rlcli/envs/calculator.py)."""
     eval_size: int = rng(200, ge=1)
     """Held-out problems used to measure greedy and sampled accuracy after training."""
     cache_dir: str | None = None

@@ -110,14 +110,15 @@ def joint_inputs(
     prompt_ids: Tensor,  # [n, Tp] left-padded
     prompt_mask: Tensor,  # [n, Tp]
     response_ids: Tensor,  # [n, T] right-padded
-    response_mask: Tensor,  # [n, T]
+    token_mask: Tensor,  # [n, T] 1 on every real response token (RolloutBatch.token_mask)
     device: torch.device,
 ) -> dict[str, Tensor]:
     """Model inputs for prompt + response, as policy and critic both read them: position ids count
-    only real tokens, so a left-padded prompt sees the positions it had during generation.
+    only real tokens, so a left-padded prompt sees the positions it had during generation. A multi-turn
+    row's observation tokens are real tokens here: the model read them when it generated the next turn.
     Outputs at [:, Tp-1 : -1] belong to the state before each response token."""
     input_ids = torch.cat([prompt_ids, response_ids], 1).to(device)  # [n, Tp+T]
-    attn = torch.cat([prompt_mask, response_mask.to(prompt_mask.dtype)], 1).to(device)  # [n, Tp+T]
+    attn = torch.cat([prompt_mask, token_mask.to(prompt_mask.dtype)], 1).to(device)  # [n, Tp+T]
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)  # [n, Tp+T]
     return {"input_ids": input_ids, "attention_mask": attn, "position_ids": position_ids}
 
@@ -127,7 +128,7 @@ def response_logprobs(
     prompt_ids: Tensor,  # [n, Tp]
     prompt_mask: Tensor,  # [n, Tp]
     response_ids: Tensor,  # [n, T]
-    response_mask: Tensor,  # [n, T]
+    token_mask: Tensor,  # [n, T] RolloutBatch.token_mask
     temperature: float,
     with_entropy: bool = False,
     entropy_grad: bool = False,
@@ -147,7 +148,7 @@ def response_logprobs(
     """
     device = next(model.parameters()).device
     tp = prompt_ids.shape[1]
-    inputs = joint_inputs(prompt_ids, prompt_mask, response_ids, response_mask, device)
+    inputs = joint_inputs(prompt_ids, prompt_mask, response_ids, token_mask, device)
     targets = response_ids.to(device)  # [n, T]
     if not chunk:
         logits = model(**inputs, use_cache=False).logits[:, tp - 1 : -1]  # [n, T, V] predicts response tokens

@@ -267,7 +267,7 @@ def response_head_outputs(
     prompt_ids: Tensor,  # [n, Tp]
     prompt_mask: Tensor,  # [n, Tp]
     response_ids: Tensor,  # [n, T]
-    response_mask: Tensor,  # [n, T]
+    token_mask: Tensor,  # [n, T] RolloutBatch.token_mask
 ) -> Tensor:
     """Raw head outputs [n, T, K] for the state before each response token; 0 at masked positions.
 
@@ -279,10 +279,10 @@ def response_head_outputs(
 
     device = next(critic.parameters()).device
     tp = prompt_ids.shape[1]
-    inputs = joint_inputs(prompt_ids, prompt_mask, response_ids, response_mask, device)
+    inputs = joint_inputs(prompt_ids, prompt_mask, response_ids, token_mask, device)
     head_out = critic(**inputs, return_head_outputs=True)
     head_out = head_out[:, tp - 1 : -1]  # [n, T, K] state before each response token
-    valid = response_mask.to(device).bool()[..., None]  # [n, T, 1]
+    valid = token_mask.to(device).bool()[..., None]  # [n, T, 1]
     return torch.where(valid, head_out, torch.zeros_like(head_out))
 
 
@@ -291,12 +291,12 @@ def response_values(
     prompt_ids: Tensor,  # [n, Tp]
     prompt_mask: Tensor,  # [n, Tp]
     response_ids: Tensor,  # [n, T]
-    response_mask: Tensor,  # [n, T]
+    token_mask: Tensor,  # [n, T] RolloutBatch.token_mask
 ) -> Tensor:
     """Values [n, T] float32 of the state before each response token; exactly 0 at masked positions."""
-    head_out = response_head_outputs(critic, prompt_ids, prompt_mask, response_ids, response_mask)  # [n, T, K]
+    head_out = response_head_outputs(critic, prompt_ids, prompt_mask, response_ids, token_mask)  # [n, T, K]
     values = critic.spec.reduce(head_out)  # [n, T]
-    valid = response_mask.to(values.device).bool()
+    valid = token_mask.to(values.device).bool()
     return torch.where(valid, values, torch.zeros_like(values))
 
 

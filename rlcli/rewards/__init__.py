@@ -123,11 +123,13 @@ class RewardManager:
     def reward_batch(self, b: Any) -> tuple[Any, dict[str, float]]:
         """Stage 2 of the loop on a RolloutBatch `b`: -> (`b` with its task reward `scores` [N], correctness
         `acc` [N] and each reward function's part `extras["reward/<name>"]` [N]; the verifier's
-        timeout/error/restart counts, which add up over generation batches and ranks)."""
+        timeout/error/restart counts, which add up over generation batches and ranks). A multi-turn row's
+        environment reward (`extras["env/reward"]`, rlcli.envs) adds to its score."""
         out = self(b.texts, b.answers)
-        extras = {f"reward/{k}": v for k, v in out.parts.items()}
+        extras = {**b.extras, **{f"reward/{k}": v for k, v in out.parts.items()}}
         counts = {f"reward/{k}": out.metrics[f"reward/{k}"] for k in ("timeouts", "errors", "restarts")}
-        return b.replace(scores=out.score.clone(), acc=out.acc, extras=extras), counts
+        scores = out.score + b.extras["env/reward"] if "env/reward" in b.extras else out.score.clone()
+        return b.replace(scores=scores, acc=out.acc, extras=extras), counts
 
     def _log_once(self, message: str) -> None:
         key = message.split(":", 2)[:2]  # status/part and exception type

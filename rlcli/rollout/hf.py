@@ -115,8 +115,18 @@ def generate(
     `synced_gpus` (ZeRO-3 over several ranks, where each forward gathers parameters from all ranks): every
     rank keeps stepping until all ranks' batches are done.
     """
-    device = next(model.parameters()).device
     prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, n)  # [P*G, Tp] each
+    response_ids, rollout_logp = sample_tokens(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature,
+                                               top_p, top_k, batch_size, with_logprobs, synced_gpus)
+    return rollout_batch(tokenizer, prompt_ids, prompt_mask, response_ids, rollout_logp, answers, n, group_offset)
+
+
+def sample_tokens(model: torch.nn.Module, tokenizer: Any, prompt_ids: Tensor, prompt_mask: Tensor, max_new_tokens: int,
+                  temperature: float, top_p: float, top_k: int, batch_size: int, with_logprobs: bool,
+                  synced_gpus: bool) -> tuple[Tensor, Tensor | None]:
+    """`generate` on left-padded prompts [N, Tp], `batch_size` rows at a time. -> (the generated tokens [N, T],
+    padded after each row's end with the pad token; with `with_logprobs` the sampler's log-probs of them [N, T])"""
+    device = next(model.parameters()).device
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     config = sampling_config(max_new_tokens, temperature, top_p, top_k, eos, pad)
     chunks, logp_chunks = [], []
@@ -138,7 +148,27 @@ def generate(
     rollout_logp = None
     if with_logprobs:
         rollout_logp = torch.cat([torch.nn.functional.pad(c, (0, t - c.shape[1])) for c in logp_chunks])  # [N, T]
-    return rollout_batch(tokenizer, prompt_ids, prompt_mask, response_ids, rollout_logp, answers, n, group_offset)
+    return response_ids, rollout_logp
+
+
+def left_padded(contexts: list[list[int]], pad: int) -> tuple[Tensor, Tensor]:
+    """Token lists -> (ids, mask) [N, L], left-padded."""
+    width = max(len(c) for c in contexts)
+    ids = torch.tensor([[pad] * (width - len(c)) + c for c in contexts], dtype=torch.long)  # [N, L]
+    mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts], dtype=torch.long)  # [N, L]
+    return ids, mask
+
+
+def turn_outputs(tokenizer: Any, response_ids: Tensor, rollout_logp: Tensor | None,
+                 budgets: list[int]) -> list[tuple[list[int], list[float] | None]]:
+    """Each row's tokens [N, T] up to and including its first EOS and at most its budget, with their log-probs."""
+    mask, _ = response_mask_from_ids(response_ids, tokenizer.eos_token_id)
+    out = []
+    for i, budget in enumerate(budgets):
+        n = min(int(mask[i].sum()), budget)
+        logp = rollout_logp[i, :n].nan_to_num(neginf=0.0).tolist() if rollout_logp is not None else None
+        out.append((response_ids[i, :n].tolist(), logp))
+    return out
 
 
 class HFEngine:
@@ -160,6 +190,16 @@ class HFEngine:
                  with_logprobs: bool = False) -> RolloutBatch:
         return generate(self.model, self.tokenizer, prompts, answers, n, sampling.max_new_tokens, sampling.temperature,
                         sampling.top_p, sampling.top_k, self.batch_size, group_offset, with_logprobs, self.collective)
+
+    def continue_tokens(self, contexts: list[list[int]], budgets: list[int], sampling: Sampling,
+                        with_logprobs: bool = False) -> list[tuple[list[int], list[float] | None]]:
+        """One turn of a multi-turn rollout (rlcli.envs): for each context (token ids), the tokens sampled after
+        it up to and including the first EOS, at most its budget, and their sampler log-probs if asked."""
+        ids, mask = left_padded(contexts, self.tokenizer.pad_token_id)
+        response_ids, logp = sample_tokens(self.model, self.tokenizer, ids, mask, max(budgets), sampling.temperature,
+                                           sampling.top_p, sampling.top_k, self.batch_size, with_logprobs,
+                                           self.collective)
+        return turn_outputs(self.tokenizer, response_ids, logp, budgets)
 
     def update_weights(self) -> None:
         """Nothing to do: generation reads the training module's parameters."""

@@ -358,7 +358,7 @@ def serve(cfg: Any, channel: Channel, place: Placement) -> None:
 
     from rlcli.models import load_policy, resolve_model_path
     from rlcli.rewards import RewardManager
-    from rlcli.rollout import ROLLOUT_ENGINES
+    from rlcli.rollout import build_engine
 
     # A stop (SIGTERM/SIGINT through torchrun) is the training ranks' to handle: they finish the step and checkpoint,
     # receiving the batches in flight from this rank first, then say they are done. torchrun kills it after
@@ -371,7 +371,7 @@ def serve(cfg: Any, channel: Channel, place: Placement) -> None:
     model_cfg = OmegaConf.merge(cfg.model, {"lora": {"r": 0}})  # the trainer pushes merged weights
     module, tokenizer = load_policy(model_cfg, path)
     module.to(torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cfg.hw.device == "cuda" else "cpu").eval()
-    engine = ROLLOUT_ENGINES[cfg.rollout.engine](module, tokenizer, path, cfg)
+    engine = build_engine(cfg.rollout.engine, module, tokenizer, path, cfg)
     rewards = RewardManager(cfg.reward)
     with_logprobs = with_rollout_logprobs(cfg, engine)
     version, active = None, place.clients()  # every trainer pushes before its first request

@@ -76,7 +76,6 @@ class VLLMEngine:
                  with_logprobs: bool = False) -> RolloutBatch:
         """Same contract as rlcli.rollout.hf.generate: rows grouped by prompt, left-padded prompts,
         right-padded responses ending at the first EOS."""
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         self.wake()
@@ -89,14 +88,8 @@ class VLLMEngine:
             start = sum(len(part[0]) for part in parts[: group_rank(self.group)])
             mine = slice(start, start + len(requests))
             requests, seeds = [q for part in parts for q in part[0]], [x for part in parts for x in part[1]]
-        greedy = sampling.temperature == 0
-        params = [SamplingParams(
-            n=1, max_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
-            top_p=1.0 if greedy else sampling.top_p, top_k=0 if greedy else sampling.top_k, seed=s,
-            logprobs=0 if with_logprobs else None, detokenize=False,
-        ) for s in seeds]
-        outs = self.llm.generate(requests, params, use_tqdm=False)
-        completions = [o.outputs[0] for o in outs][mine]
+        completions = self.sample(requests, seeds, [sampling.max_new_tokens] * len(requests), sampling,
+                                  with_logprobs)[mine]
         t = max(1, max(len(c.token_ids) for c in completions))
         response_ids = torch.full((len(completions), t), self.tokenizer.pad_token_id, dtype=torch.long)  # [N, T]
         rollout_logp = torch.zeros(len(completions), t) if with_logprobs else None  # [N, T]
@@ -105,11 +98,43 @@ class VLLMEngine:
             if rollout_logp is not None:
                 rollout_logp[i, : len(c.token_ids)] = torch.tensor(
                     [lp[token].logprob for token, lp in zip(c.token_ids, c.logprobs)])
-        if self.sleep_mode:
-            self.llm.sleep(level=1)  # free the KV cache and offload the weights while the actor trains
-            self.asleep = True
+        self.rest()
         return rollout_batch(self.tokenizer, prompt_ids, prompt_mask, response_ids, rollout_logp, answers, n,
                              group_offset)
+
+    def sample(self, requests: list[Any], seeds: list[int], budgets: list[int], sampling: Sampling,
+               with_logprobs: bool) -> list[Any]:
+        """vLLM's completions of `requests` (TokensPrompt), one per request with its seed and token budget."""
+        from vllm import SamplingParams
+
+        greedy = sampling.temperature == 0
+        params = [SamplingParams(
+            n=1, max_tokens=budget, temperature=sampling.temperature,
+            top_p=1.0 if greedy else sampling.top_p, top_k=0 if greedy else sampling.top_k, seed=s,
+            logprobs=0 if with_logprobs else None, detokenize=False,
+        ) for s, budget in zip(seeds, budgets)]
+        outs = self.llm.generate(requests, params, use_tqdm=False)
+        return [o.outputs[0] for o in outs]
+
+    def continue_tokens(self, contexts: list[list[int]], budgets: list[int], sampling: Sampling,
+                        with_logprobs: bool = False) -> list[tuple[list[int], list[float] | None]]:
+        """One turn of a multi-turn rollout (rlcli.envs), as rlcli.rollout.hf.HFEngine.continue_tokens: vLLM stops at
+        EOS and at the budget itself. Not for a tensor-parallel engine (multi-turn refuses one: rlcli.config)."""
+        from vllm.inputs import TokensPrompt
+
+        self.wake()
+        seeds = torch.randint(0, 2**31 - 1, (len(contexts),)).tolist()  # one per trajectory, from torch's RNG
+        completions = self.sample([TokensPrompt(prompt_token_ids=c) for c in contexts], seeds, budgets, sampling,
+                                  with_logprobs)
+        self.rest()
+        return [(list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)] if with_logprobs
+                 else None) for c in completions]
+
+    def rest(self) -> None:
+        """With rollout.sleep_mode: free the KV cache and offload the weights while the actor trains."""
+        if self.sleep_mode:
+            self.llm.sleep(level=1)
+            self.asleep = True
 
     def update_weights(self) -> None:
         """Load the policy's current weights into the engine in place (one tensor at a time: gathered under
