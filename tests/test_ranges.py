@@ -47,11 +47,18 @@ FREE = {
     "ladder.base": "a recipe name, resolved by `rlcli ladder`",
     "resume": "auto or a path: checkpoint.resolve judges it before anything loads (tests/test_checkpoint.py)",
     "run_dir": "set by Hydra, never by the user (cli._run_dir refuses it on the command line)",
+    "env.name": "null, tools or a dotted path to a class: validate imports it (CHECKED below)",
+    "env.tools": "dotted paths of @tool functions: validate imports them (CHECKED below)",
+    "env.template": "a template name or Jinja text: ChatFormat.check judges it on a probe conversation at start-up "
+                    "(tests/test_envs.py)",
+    "env.system_prompt": "any text",
 }
 # Fields outside the generic checker whose wrong values a validate function still names (cross-field rules).
 CHECKED = {
     "data.template": "fancy",
     "reward.custom": {"mine": "nodots"},
+    "env.name": "no.such.Environment",
+    "env.tools": ["rlcli.envs.calculator.nothing"],
 }
 
 

@@ -146,3 +146,24 @@ def test_lora_grpo_on_the_real_model_with_vllm_resumes_bit_identically(converted
     assert [r for r in stable(metric_rows(resumed)) if "actor/pg_loss" in r] == steps
     a, b = policy_tensors(straight), policy_tensors(resumed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_smollm2s_chat_template_gives_observations_under_the_token_contract(converted):
+    """recipe=tools/calculator_smollm2 renders the conversation with the model's own ChatML template: it passes the
+    start-up check, and a tool result's observation is the template's whole turn, boundary text included (the
+    newline after the assistant's <|im_end|>, the tool turn, the next assistant header)."""
+    from transformers import AutoTokenizer
+
+    from rlcli.config import validate
+    from rlcli.envs.chat import ChatFormat
+
+    _, path = converted
+    cfg = compose("recipe=tools/calculator_smollm2", f"model.path={path}", run_dir="/tmp/unused")
+    validate(cfg)
+    tok = AutoTokenizer.from_pretrained(path)
+    chat = ChatFormat(tok, cfg.env.template)
+    history = [{"role": "system", "content": cfg.env.system_prompt}, {"role": "user", "content": "What is 2+3?"},
+               {"role": "assistant", "content": "calc(2+3)"}]
+    assert chat.observation_text(history, [{"role": "tool", "content": "5"}]) == (
+        "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n")
+    assert tok.eos_token == "<|im_end|>"

@@ -213,3 +213,29 @@ def test_grpo_with_a_tensor_parallel_engine_on_zero3_trains_and_resumes_bit_iden
     assert [r for r in stable(metric_rows(resumed)) if "actor/pg_loss" in r] == steps
     a, b = policy_tensors(straight), policy_tensors(resumed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_multi_turn_rows_are_the_same_on_both_engines_and_keep_the_token_contract(calculator_cache, monkeypatch):
+    """The calculator recipe's policy (rlcli/envs): greedy multi-turn rows from vLLM equal HF's token for token,
+    masks and tool counts included; sampled vLLM rows keep the token contract (tests/test_envs.py)."""
+    from test_envs import assert_token_contract
+
+    from rlcli.data.arith import arith_examples
+    from rlcli.models.policy import load_policy
+    from rlcli.rollout import build_engine
+
+    _, path = calculator_cache
+    cfg = compose("recipe=tools/calculator", f"model.path={path}", "model.name=hf", "rollout.engine=vllm")
+    model, tok = load_policy(cfg.model, path)
+    hf, vllm = (build_engine(name, model, tok, path, cfg) for name in ("hf", "vllm"))
+    ex = arith_examples("eval", 24, seed=0, min_digits=2, max_digits=2)
+    prompts, answers = [e["prompt"] for e in ex], [e["answer"] for e in ex]
+    a, b = (engine.generate(prompts, answers, 1, Sampling(48, 0.0)) for engine in (hf, vllm))
+    assert_same_rollout(a, b)
+    assert torch.equal(a.token_mask, b.token_mask) and a.extras.keys() == b.extras.keys()
+    assert all(torch.equal(a.extras[k], b.extras[k]) for k in a.extras)
+    assert a.extras["env/used_tool"].sum() >= 3  # multi-turn rows among them
+    sampled = assert_token_contract(vllm, prompts[:8], answers[:8], 4, Sampling(48, 1.0), monkeypatch, with_logprobs=True)
+    assert sampled.extras["env/used_tool"].sum() > 0
+    hf.close()
+    vllm.close()

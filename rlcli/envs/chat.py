@@ -57,7 +57,7 @@ class ChatFormat:
                                                   add_generation_prompt=generation_prompt, tokenize=False)
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def prompt_ids(self, messages: list[Message]) -> list[int]:
         return self.encode(self.render(messages, True))

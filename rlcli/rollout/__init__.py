@@ -24,7 +24,6 @@ The loop never knows which engine it has.
 
 from typing import Any
 
-
 from rlcli import names
 from rlcli.registry import Registry
 from rlcli.rollout.hf import HFEngine
