@@ -27,7 +27,7 @@ def startup_summary(t: Any) -> str:
                                else f"asynchronous: {rollout_ranks(cfg)} rollout rank(s) with their own {r.engine} "
                                f"engine, max_staleness {r['async'].max_staleness}, off_policy {off_policy(cfg)}"),
         "  environment    " + ("none (single-turn)" if cfg.env.name is None else
-                               f"{cfg.env.name}: tools {list(cfg.env.tools)} ({cfg.env.tool_format} calls), template "
+                               f"{cfg.env.name}: {list(cfg.env.tools)} ({cfg.env.tool_format} calls), template "
                                f"{cfg.env.template or 'of the tokenizer'}, up to {cfg.env.max_turns} turns in "
                                f"{r.max_new_tokens} response tokens"),
         f"  algorithm      {a.name}: advantage={a.adv_estimator} loss={a.policy_loss} "

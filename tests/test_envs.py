@@ -350,3 +350,18 @@ def test_a_user_environment_trains_its_step_rewards_add_to_the_score(make_traine
     text = t.tokenizer.decode(b.response_ids[i][b.token_mask[i].bool()])
     assert text.count("</s>\nt1\n") == 1 and text.count("</s>\nt2\n") == 1 and text.endswith("</s>")
     t.train_step(1)
+
+
+@pytest.mark.slow
+def test_multi_turn_rows_come_from_a_rollout_rank_under_asynchronous_rollout(calculator_cache):
+    """hw=cpu_x2 rollout.async.max_staleness=1: the rollout rank runs the environments and the tools, the training
+    rank trains on their rows one version old and evaluates with its own multi-turn engine."""
+    root, _ = calculator_cache
+    out = rlcli(root, "train", "recipe=tools/calculator", "hw=cpu_x2", "rollout.async.max_staleness=1", "steps=2",
+                "rollout.prompts_per_step=4", "eval.size=8", "save=false", "hydra.run.dir=async")
+    assert "environment    tools: ['rlcli.envs.calculator.calc'] (compact calls), template plain" in out.stdout
+    rows = metric_rows(root / "async")
+    steps = [r for r in rows if "env/turns" in r]
+    assert [r["async/staleness_max"] for r in steps] == [0.0, 1.0]
+    assert all(r["env/used_tool"] > 0 and r["env/observation_tokens"] > 0 for r in steps)
+    assert "eval/tool_use_before" in rows[0] and "eval/tool_use_after" in rows[-1]

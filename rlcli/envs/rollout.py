@@ -59,6 +59,7 @@ class MultiTurn:
         self.chat = ChatFormat(tokenizer, cfg.template, self.toolbox.schemas)
         self.env_class = ToolEnv if cfg.name == "tools" else import_dotted(cfg.name)
         self.logprobs_are_free, self.collective = engine.logprobs_are_free, engine.collective
+        self.model = engine.model  # the module it generates from (what asynchronous rollout pushes from)
 
     def generate(self, prompts: list[str], answers: list[str], n: int, sampling: Sampling, group_offset: int = 0,
                  with_logprobs: bool = False) -> RolloutBatch:
