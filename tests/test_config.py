@@ -263,6 +263,7 @@ HEAVY = ("torch", "transformers", "deepspeed", "vllm", "math_verify")
     ["train", "algo=dapo", "--cfg", "job"],
     ["explain", "algo"],
     ["plan", "algo=dapo", "model=qwen2.5-32b", "hw=8xa100"],
+    ["train", "recipe=tools/calculator", "hw=cpu_x2", "rollout.prompts_per_step=3"],  # fails after the tools import
 ])  # fmt: skip
 def test_the_cli_answers_without_importing_the_heavy_stack(argv, tmp_path):
     """Composing, validating, --help, --cfg, explain and plan need the schema, not torch (issue 21 §5): a

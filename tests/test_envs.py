@@ -15,7 +15,7 @@ from rlcli.config import validate
 from rlcli.envs.calculator import calc, demonstration
 from rlcli.envs.chat import PLAIN, ChatFormat, TemplateError
 from rlcli.envs.env import Toolbox
-from rlcli.envs.tools import Call, parse_compact, parse_hermes
+from rlcli.envs.tools import Call, parse_compact, parse_hermes, schema
 from rlcli.models.tiny import load_tiny_tokenizer
 from rlcli.schema import ConfigError
 
@@ -23,7 +23,7 @@ from rlcli.schema import ConfigError
 
 
 def test_a_tools_schema_comes_from_its_type_hints_and_docstring():
-    assert calc.schema["function"] == {
+    assert schema(calc)["function"] == {
         "name": "calc", "description": "Evaluate an integer arithmetic expression with +, -, * and parentheses.",
         "parameters": {"type": "object", "required": ["expression"], "properties": {
             "expression": {"type": "string", "description": "The expression, e.g. 347+85"}}},

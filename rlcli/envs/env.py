@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from rlcli.envs.chat import Message
-from rlcli.envs.tools import TOOL_FORMATS, load_tools
+from rlcli.envs.tools import TOOL_FORMATS, load_tools, schema
 
 
 @dataclass
@@ -43,7 +43,7 @@ class Toolbox:
 
         self.cfg = cfg
         self.tools = load_tools(list(cfg.tools))
-        self.schemas = [fn.schema for fn in self.tools.values()]
+        self.schemas = [schema(fn) for fn in self.tools.values()]
         self.parse = TOOL_FORMATS[cfg.tool_format]
         self.pool = SandboxPool("rlcli.envs.tools.run_call", setup="rlcli.envs.tools.setup_worker",
                                 setup_args=(list(cfg.tools),), num_workers=cfg.tool_workers,

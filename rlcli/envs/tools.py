@@ -11,7 +11,7 @@
         \"\"\"
 
 A tool's schema (name, description, parameters) comes from its type hints and its Google-style docstring,
-through transformers' `get_json_schema`, the format chat templates take as `tools=`. Config names tools by
+through transformers' `get_json_schema`, the format chat templates take as `tools=`; it is made when a run starts. Config names tools by
 dotted path (`env.tools: [mypkg.tools.calc]`), so they import both here (schemas, call parsing) and in the
 workers that run them: the reward's `SandboxPool` (rlcli/rewards/pool.py), one process per worker with an
 address-space cap, a soft and a hard timeout, and a replacement when a worker dies. A tool's exception or
@@ -36,22 +36,28 @@ from rlcli.rewards.functions import import_dotted
 
 
 def tool(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Mark `fn` as a tool and attach its JSON schema (`fn.schema`); fails now if its docstring does not
-    describe every parameter."""
-    from transformers.utils import get_json_schema
-
-    fn.schema = get_json_schema(fn)  # type: ignore[attr-defined]
+    """Mark `fn` as a tool. Its schema is made when a run starts (`schema`), not here: config validation imports
+    tools by path and must stay light (no transformers)."""
+    fn.is_tool = True  # type: ignore[attr-defined]
     return fn
 
 
+def schema(fn: Callable[..., Any]) -> dict[str, Any]:
+    """The JSON schema of tool `fn` (name, description, parameters) from its type hints and docstring; raises if the
+    docstring does not describe every parameter."""
+    from transformers.utils import get_json_schema
+
+    return get_json_schema(fn)
+
+
 def load_tools(paths: list[str]) -> dict[str, Callable[..., Any]]:
-    """Tool name -> function, for dotted paths of @tool functions."""
+    """Tool name (the function's name) -> function, for dotted paths of @tool functions."""
     tools = {}
     for path in paths:
         fn = import_dotted(path)
-        if not hasattr(fn, "schema"):
-            raise TypeError(f"env.tools: {path} is not decorated with rlcli.envs.tool")
-        tools[fn.schema["function"]["name"]] = fn
+        if not getattr(fn, "is_tool", False):
+            raise TypeError(f"{path} is not decorated with rlcli.envs.tool")
+        tools[fn.__name__] = fn
     return tools
 
 
