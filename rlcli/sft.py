@@ -84,10 +84,14 @@ def _encode_examples(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded `prompt + solution + </s>` ids, attention mask, and labels (-100 off-response)."""
     rows = []
+    chat = None
     for ex in examples:
         prompt = tokenizer(ex["prompt"], add_special_tokens=False)["input_ids"]
         if "turns" in ex:  # a tool demonstration: observations are rendered as in rollout and get no loss
-            target, labels = _encode_turns(tokenizer, ex)
+            from rlcli.envs.chat import ChatFormat
+
+            chat = chat or ChatFormat(tokenizer, "plain")
+            target, labels = _encode_turns(tokenizer, chat, ex)
         else:
             target = tokenizer(ex["solution"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
             labels = target
@@ -104,12 +108,9 @@ def _encode_examples(
     return ids, mask, labels
 
 
-def _encode_turns(tokenizer: PreTrainedTokenizerBase, ex: dict) -> tuple[list[int], list[int]]:
+def _encode_turns(tokenizer: PreTrainedTokenizerBase, chat: Any, ex: dict) -> tuple[list[int], list[int]]:
     """A demonstration's turns after the prompt -> (token ids, labels: -100 on observation tokens), with the
-    observations cut from the plain chat template exactly as multi-turn rollout cuts them (rlcli.envs.chat)."""
-    from rlcli.envs.chat import ChatFormat
-
-    chat = ChatFormat(tokenizer, "plain")
+    observations cut from `chat` (rlcli.envs.chat.ChatFormat, the plain template) as multi-turn rollout cuts them."""
     history: list[dict[str, str]] = [{"role": "user", "content": ex["prompt"]}]
     ids: list[int] = []
     labels: list[int] = []
