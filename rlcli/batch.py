@@ -26,7 +26,7 @@ class RolloutBatch:
     prompt_mask: Tensor  # [N, Tp] 1 on prompt tokens
     response_ids: Tensor  # [N, T] right-padded
     response_mask: Tensor  # [N, T] 1 on generated tokens incl. EOS: the tokens every loss trains (docs/design.md#masks)
-    truncated: Tensor  # [N] bool: hit max_new_tokens without EOS
+    truncated: Tensor  # [N] bool: hit max_new_tokens without EOS (multi-turn: also no room left for an observation)
     group_index: Tensor  # [N] int: responses of one prompt share an index
     answers: list[str]  # [N] ground truth per trajectory
     texts: list[str]  # [N] decoded responses

@@ -625,6 +625,10 @@ def validate_env(cfg: Any) -> None:
         raise ConfigError(f"env.tools={list(e.tools)}: {type(err).__name__}: {err}. List functions decorated with "
                           "@rlcli.envs.tool, by dotted path importable here, e.g. [rlcli.envs.calculator.calc]") from None
     if e.name is None:
+        if cfg.model.warm_start.tool_demos:
+            raise ConfigError(f"model.warm_start.tool_demos={cfg.model.warm_start.tool_demos} teaches the model to call "
+                              "the calculator, but env.name=null runs no tool: add env=calculator (or use "
+                              "recipe=tools/calculator), or set model.warm_start.tool_demos=0")
         if e.tools:
             raise ConfigError(f"env.tools={list(e.tools)} are called by an environment, but env.name=null (single-turn): "
                               "set env.name=tools (or env=calculator)")
@@ -640,11 +644,12 @@ def validate_env(cfg: Any) -> None:
                               "dotted path to a class with reset(row) and step(message) (rlcli.envs.Environment)") from None
         if not all(callable(getattr(env_class, m, None)) for m in ("reset", "step")):
             raise ConfigError(f"env.name={e.name!r} has no reset(row) and step(message) methods (rlcli.envs.Environment)")
-    if r.tensor_parallel_size > 1 or (cfg.hw.zero_stage == 3 and trainer_ranks(cfg) > 1 and r.engine == "hf"):
+    hf_lockstep = cfg.hw.zero_stage == 3 and trainer_ranks(cfg) > 1 and (r.engine == "hf" or rollout_ranks(cfg) > 0)
+    if r.tensor_parallel_size > 1 or hf_lockstep:  # (with rollout ranks, the training ranks evaluate with HF)
         raise ConfigError("multi-turn rollout (env.name set) needs an engine each rank drives alone: trajectories end "
                           "after different numbers of turns on different ranks, but a tensor-parallel vLLM engine and "
                           "HF generation under ZeRO-3 over ranks generate together: set rollout.tensor_parallel_size=1, "
-                          "and hw.zero_stage <= 2 or rollout.engine=vllm")
+                          "and hw.zero_stage <= 2 or rollout.engine=vllm (without rollout ranks)")
     if cfg.data.source != "arith" and cfg.data.chat != "never":
         raise ConfigError(f"env.name={e.name} renders the conversation with env.template, so the data must not be "
                           "rendered with the chat template first: set data.chat=never")

@@ -273,10 +273,16 @@ def prompt_tokens(cfg: Any) -> tuple[int, str]:
     return d.max_prompt_len, "data.max_prompt_len, a bound: `rlcli train` measures the data's longest prompt"
 
 
-def longest_prompt(tokenizer: Any, examples: list[dict[str, str]]) -> tuple[int, str]:
+def longest_prompt(tokenizer: Any, examples: list[dict[str, str]], env: Any = None) -> tuple[int, str]:
     """The longest of `examples`' prompts in tokens, encoded as the rollout engines encode them
-    (rlcli.rollout.hf.encode_prompts: no special tokens added; a chat template is already rendered)."""
-    lengths = [len(ids) for ids in tokenizer([e["prompt"] for e in examples], add_special_tokens=False)["input_ids"]]
+    (rlcli.rollout.hf.encode_prompts: no special tokens added; a chat template is already rendered). With a
+    multi-turn `env` (the config's env group), as the environment's chat template renders them (rlcli.envs)."""
+    prompts = [e["prompt"] for e in examples]
+    if env is not None and env.name is not None:
+        from rlcli.envs.env import rendered_prompts
+
+        prompts = rendered_prompts(tokenizer, env, prompts)
+    lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
     return max(lengths), f"measured: the longest of {len(lengths)} train and eval prompts"
 
 
@@ -295,7 +301,7 @@ def measure_prompts(cfg: Any) -> tuple[int, str]:
         examples = [e for split in ("train", "eval") for e in load_split(cfg.data, split, cfg.seed, tokenizer=tokenizer)[0]]
     finally:
         logging.disable(logging.NOTSET)
-    return longest_prompt(tokenizer, examples)
+    return longest_prompt(tokenizer, examples, cfg.env)
 
 
 def device_memory(hw: Any) -> tuple[float | None, str]:

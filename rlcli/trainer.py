@@ -68,7 +68,7 @@ class Trainer:
         train, self.train_report = load_split(cfg.data, "train", cfg.seed, tokenizer=self.tokenizer)
         evals, _ = load_split(cfg.data, "eval", cfg.seed, tokenizer=self.tokenizer)
         if cfg.hw.max_tokens_per_micro_batch == "auto":  # `rlcli train` fixes it; a Trainer built in code does here
-            fix_budget(cfg, longest_prompt(self.tokenizer, train + evals))
+            fix_budget(cfg, longest_prompt(self.tokenizer, train + evals, cfg.env))
         self.eval_examples = evals[: cfg.eval.size] if cfg.eval.size else evals
         engine = "hf" if channel else cfg.rollout.engine  # with rollout ranks: evaluation only
         self.rollout = build_engine(engine, self.learner.actor.module, self.tokenizer, self.model_path, cfg)
@@ -291,6 +291,7 @@ class Trainer:
 
     def close(self) -> None:
         self.state.rollout.close()
+        self.rollout.close()  # a multi-turn engine's tool workers
         self.logger.close()
         self.rewards.close()
 

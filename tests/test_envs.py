@@ -39,6 +39,10 @@ def test_the_calculator_computes_integers_and_refuses_the_rest():
 
 
 def test_calls_are_parsed_in_both_formats():
+    from rlcli import names as declared
+    from rlcli.envs.tools import TOOL_FORMATS
+
+    assert tuple(TOOL_FORMATS) == declared.TOOL_FORMATS  # what validation accepts is what runs
     names = {"calc"}
     assert parse_compact(" calc(34+85)", names) == [Call("calc", ["34+85"], {})]
     assert parse_compact("7+5=12\ncalc((1+2)*3)\n\\boxed{9}", names) == [Call("calc", ["(1+2)*3"], {})]
@@ -100,6 +104,11 @@ def test_a_tokenizer_without_a_chat_template_needs_one_named():
     (["env=calculator", "hw=cpu_x2", "hw.zero_stage=3"], "generate together"),
     (["env=calculator", "rollout.engine=vllm", "hw=cpu_x2", "rollout.tensor_parallel_size=2"], "generate together"),
     (["env=calculator", "data=gsm8k"], "data.chat=never"),
+    (["env=calculator", "hw=cpu_x2", "hw.nproc=3", "hw.zero_stage=3", "rollout.engine=vllm",
+      "rollout.async.max_staleness=1", "rollout.async.rollout_ranks=1"], "without rollout ranks"),
+    (["model.warm_start.tool_demos=0.5"], "env.name=null runs no tool"),
+    (["env=calculator", "env.tools=[rlcli.envs.calculator.nothing]"], "env.tools="),
+    (["env.name=env_fixtures.boom"], "has no reset"),
 ])
 def test_multi_turn_config_errors_name_the_fix(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -155,13 +155,15 @@ def test_smollm2s_chat_template_gives_observations_under_the_token_contract(conv
     from transformers import AutoTokenizer
 
     from rlcli.config import validate
+    from rlcli.envs.calculator import calc
     from rlcli.envs.chat import ChatFormat
+    from rlcli.envs.tools import schema
 
     _, path = converted
     cfg = compose("recipe=tools/calculator_smollm2", f"model.path={path}", run_dir="/tmp/unused")
     validate(cfg)
     tok = AutoTokenizer.from_pretrained(path)
-    chat = ChatFormat(tok, cfg.env.template)
+    chat = ChatFormat(tok, cfg.env.template, [schema(calc)])
     history = [{"role": "system", "content": cfg.env.system_prompt}, {"role": "user", "content": "What is 2+3?"},
                {"role": "assistant", "content": "calc(2+3)"}]
     assert chat.observation_text(history, [{"role": "tool", "content": "5"}]) == (

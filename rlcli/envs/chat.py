@@ -82,10 +82,14 @@ class ChatFormat:
         conversation of two tool rounds whose assistant turns hold `<think>` blocks."""
         history: list[Message] = [{"role": "user", "content": "What is 2+3?"}]
         for k in range(2):
-            history.append({"role": "assistant", "content": f"<think>step {k}</think>calc(2+3)"})
-            if history[-1]["content"] not in self.render(history, False):
+            history.append({"role": "assistant", "content": f" <think>step {k}</think>calc(2+3)\n"})
+            content, rendered = history[-1]["content"], self.render(history, False)
+            if content not in rendered:
                 raise TemplateError("the chat template does not render an assistant turn as it was generated "
-                                    f"({history[-1]['content']!r} is not in its rendering): it rewrites turns")
+                                    f"({content!r} is not in its rendering): it rewrites turns")
+            if content + self.eos not in rendered:
+                raise TemplateError(f"the chat template does not end an assistant turn with EOS ({self.eos!r}) right "
+                                    "after its content")
             tool = [{"role": "tool", "name": "calc", "content": "5"}]
             self.observation_text(history, tool)
             history += tool

@@ -25,8 +25,8 @@ class StepResult:
     reward: float = 0.0
     done: bool = False
     info: dict[str, float] = field(default_factory=dict)
-    """Counts added up per trajectory and logged as env/<key> means (docs/metrics.md): tool_calls, tool_errors,
-    tool_timeouts."""
+    """Counts added up per trajectory; tool_calls, tool_errors and tool_timeouts are logged as env/<key> means
+    (docs/metrics.md; rlcli.envs.rollout.ENV_METRICS), other keys are not."""
 
 
 class Environment(Protocol):
@@ -52,7 +52,7 @@ class Toolbox:
     def run(self, message: str) -> tuple[list[Message], dict[str, float]]:
         """The calls in `message`, run -> (one tool message per call, counts). A failure is the text
         `error: ...`; every output is cut to env.max_observation_chars."""
-        calls = self.parse(message, set(self.tools))
+        calls = self.parse(message, set(self.tools)) if self.tools else []
         if not calls:
             return [], {}
         results = self.pool.map([(c.name, c.args, c.kwargs) for c in calls])
@@ -69,6 +69,17 @@ class Toolbox:
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()
+
+
+def rendered_prompts(tokenizer: Any, cfg: Any, prompts: list[str]) -> list[str]:
+    """The first prompts of multi-turn rollout as text: ToolEnv's first messages (env.system_prompt, the prompt) in
+    the chat template, with the tools' schemas. The memory plan measures these; a user environment's own first
+    messages may differ."""
+    from rlcli.envs.chat import ChatFormat
+
+    chat = ChatFormat(tokenizer, cfg.template, [schema(fn) for fn in load_tools(list(cfg.tools)).values()])
+    env = ToolEnv(cfg, None)
+    return [chat.render(env.reset({"prompt": p, "answer": ""}), True) for p in prompts]
 
 
 class ToolEnv:

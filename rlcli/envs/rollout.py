@@ -10,6 +10,8 @@ decoded turn to the trajectory's environment, and appends the observation tokens
     token_mask     1 on all of them: what the model reads            [N, T]
     response_mask  1 on generated tokens only: what every loss trains [N, T]
     rollout_logp   the sampler's log-probs, 0 on observations         [N, T]
+    texts          the generated tokens decoded, observations left out: the reward reads only what the policy
+                   wrote (a tool result holding a number must not count as its answer)
 
 rollout.max_new_tokens bounds the whole response (generated and observation tokens), so T and the memory plan
 are those of single-turn rollout. A trajectory ends when its environment says done, after env.max_turns
@@ -97,6 +99,7 @@ class MultiTurn:
                     continue
                 r.add(observation, None, trained=False)
                 r.stats["observation_tokens"] += len(observation)
+        self.engine.rest()
         return self.batch(rows, answers, n, group_offset, with_logprobs)
 
     def batch(self, rows: list[Trajectory], answers: list[str], n: int, group_offset: int,
@@ -117,7 +120,8 @@ class MultiTurn:
             token_mask=token_mask, truncated=torch.tensor([r.truncated for r in rows]),
             group_index=torch.arange(len(answers)).repeat_interleave(n) + group_offset,
             answers=[a for a in answers for _ in range(n)],
-            texts=self.tokenizer.batch_decode([r.ids for r in rows], skip_special_tokens=True),
+            texts=self.tokenizer.batch_decode([[t for t, m in zip(r.ids, r.trained) if m] for r in rows],
+                                              skip_special_tokens=True),
             rollout_logp=logp, stale=torch.zeros(len(rows), dtype=torch.bool),
             extras={f"env/{k}": torch.tensor([r.stats[k] for r in rows], dtype=torch.float32) for k in ENV_METRICS},
         )
@@ -128,5 +132,9 @@ class MultiTurn:
     def weights_checksum(self) -> int:
         return self.engine.weights_checksum()
 
+    def rest(self) -> None:
+        self.engine.rest()
+
     def close(self) -> None:
         self.toolbox.close()
+        self.engine.close()

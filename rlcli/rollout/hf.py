@@ -204,6 +204,12 @@ class HFEngine:
     def update_weights(self) -> None:
         """Nothing to do: generation reads the training module's parameters."""
 
+    def rest(self) -> None:
+        """Nothing to free between generation calls (the vLLM engine sleeps here)."""
+
+    def close(self) -> None:
+        """Nothing to release."""
+
     def weights_checksum(self) -> int:
         """rlcli.rollout.remote.checksum of the weights generation reads."""
         from rlcli.rollout.remote import checksum

@@ -392,6 +392,7 @@ def serve(cfg: Any, channel: Channel, place: Placement) -> None:
         channel.flush()
     finally:
         rewards.close()
+        engine.close()
 
 
 def rollout_source(cfg: Any, channel: Channel | None, engine: Any, rewards: Any) -> LocalRollout | RemoteRollout:

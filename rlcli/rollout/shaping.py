@@ -22,11 +22,12 @@ SHAPERS = Registry("reward shaper")
 
 @SHAPERS.register("soft_overlong_punishment")
 def soft_overlong(b: RolloutBatch, algo: Any, rollout: Any) -> tuple[RolloutBatch, dict[str, Tensor]]:
-    """DAPO Eq. 13: a linear penalty inside the last `rollout.overlong_buffer_len` tokens, added to the reward."""
+    """DAPO Eq. 13: a linear penalty inside the last `rollout.overlong_buffer_len` tokens, added to the reward. The
+    length is the whole response's (`token_mask`): in a multi-turn row the budget holds the observations too."""
     if not algo.soft_overlong:
         return b, {}
     pen = soft_overlong_penalty(
-        b.lengths.float(), rollout.max_new_tokens, rollout.overlong_buffer_len, algo.overlong_penalty_factor
+        b.token_mask.sum(-1).float(), rollout.max_new_tokens, rollout.overlong_buffer_len, algo.overlong_penalty_factor
     )  # [N]
     return b.replace(scores=b.scores + pen), {"overlong/penalty_mean": pen}
 

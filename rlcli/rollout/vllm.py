@@ -119,14 +119,14 @@ class VLLMEngine:
     def continue_tokens(self, contexts: list[list[int]], budgets: list[int], sampling: Sampling,
                         with_logprobs: bool = False) -> list[tuple[list[int], list[float] | None]]:
         """One turn of a multi-turn rollout (rlcli.envs), as rlcli.rollout.hf.HFEngine.continue_tokens: vLLM stops at
-        EOS and at the budget itself. Not for a tensor-parallel engine (multi-turn refuses one: rlcli.config)."""
+        EOS and at the budget itself. Not for a tensor-parallel engine (multi-turn refuses one: rlcli.config). It stays
+        awake between turns: the caller calls `rest` after the last one."""
         from vllm.inputs import TokensPrompt
 
         self.wake()
         seeds = torch.randint(0, 2**31 - 1, (len(contexts),)).tolist()  # one per trajectory, from torch's RNG
         completions = self.sample([TokensPrompt(prompt_token_ids=c) for c in contexts], seeds, budgets, sampling,
                                   with_logprobs)
-        self.rest()
         return [(list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)] if with_logprobs
                  else None) for c in completions]
 
@@ -135,6 +135,9 @@ class VLLMEngine:
         if self.sleep_mode:
             self.llm.sleep(level=1)
             self.asleep = True
+
+    def close(self) -> None:
+        """Nothing to release before the process ends (vLLM frees its engine with it)."""
 
     def update_weights(self) -> None:
         """Load the policy's current weights into the engine in place (one tensor at a time: gathered under
