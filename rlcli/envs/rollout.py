@@ -55,6 +55,8 @@ class Trajectory:
 
 
 class MultiTurn:
+    """`build_engine`'s engine when env.name is set: the wrapped hf or vllm `engine`, driven turn by turn (module doc)."""
+
     def __init__(self, engine: Any, tokenizer: Any, cfg: Any):
         self.engine, self.tokenizer, self.cfg = engine, tokenizer, cfg
         self.toolbox = Toolbox(cfg)
