@@ -135,9 +135,12 @@ def dump_rollouts(run_dir: str, step: int, batch: Any, tokenizer: Any) -> None:
     from rlcli.engine.collectives import gather_objects
 
     prompts = tokenizer.batch_decode([ids[m.bool()] for ids, m in zip(batch.prompt_ids, batch.prompt_mask)])
+    # the whole response: with multi-turn rollout the observations too (batch.texts holds the generated turns only)
+    responses = tokenizer.batch_decode([ids[m.bool()] for ids, m in zip(batch.response_ids, batch.token_mask)],
+                                       skip_special_tokens=True)
     version = batch.version if batch.version is not None else torch.full((len(batch),), step - 1)
     rows = [{"prompt": p, "response": t, "reward": float(r), "acc": float(a), "group": int(g), "version": int(v)}
-            for p, t, r, a, g, v in zip(prompts, batch.texts, batch.scores, batch.acc, batch.group_index, version)]
+            for p, t, r, a, g, v in zip(prompts, responses, batch.scores, batch.acc, batch.group_index, version)]
     parts = gather_objects(rows)
     if rank() != 0:
         return

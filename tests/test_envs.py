@@ -5,6 +5,7 @@ The vLLM side of the token contract (both engines give the same rows) is in test
 """
 
 import json
+import re
 
 import pytest
 import torch
@@ -330,7 +331,8 @@ def test_the_calculator_recipe_trains_logs_its_glossary_metrics_and_resumes_bit_
     assert all(1 <= r["env/turns"] <= 2 and r["env/observation_tokens"] > 0 for r in steps)
     assert "eval/tool_use_before" in rows[0] and "eval/tool_use_after" in rows[-1]
     logged = [json.loads(x) for x in (root / "straight" / "rollouts" / "step_1.jsonl").read_text().splitlines()]
-    assert len(logged) == 32 and any("calc(" in r["response"] and "\n\\boxed" in r["response"] for r in logged)
+    # the whole conversation: a call, the tool's result on its own line, the box
+    assert len(logged) == 32 and any(re.search(r"calc\((\d+)\+(\d+)\)\n(\d+)\n\\boxed\{\3\}", r["response"]) for r in logged)
     rlcli(root, "train", *args, "resume=straight/checkpoints/step_2", "hydra.run.dir=branch")
     step3 = [[r for r in metric_rows(root / run) if r.get("step") == 3 and "env/turns" in r] for run in ("straight", "branch")]
     assert stable(step3[0]) == stable(step3[1])
