@@ -171,6 +171,7 @@ def test_eval_per_prompt_answers_use_the_reward_extractor(monkeypatch):
             answers=[a for a in answers for _ in range(k)],
             lengths=torch.ones(len(rows), dtype=torch.long),
             truncated=torch.zeros(len(rows), dtype=torch.bool),
+            extras={},
         )
 
     examples = [{"prompt": f"q{i}", "answer": "1"} for i in range(len(texts) // 4)]
