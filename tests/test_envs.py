@@ -172,6 +172,8 @@ def assert_token_contract(mt, prompts, answers, n, sampling, monkeypatch, with_l
         assert b.response_mask[i, :t].tolist() == trained[i] and b.response_mask[i, t:].sum() == 0
         if with_logprobs:
             assert (b.rollout_logp[i] * (1 - b.response_mask[i])).abs().sum() == 0
+        generated = [x for x, m in zip(expected[i], trained[i]) if m]  # what the reward reads: no observation
+        assert b.texts[i] == tok.decode(generated, skip_special_tokens=True)
     generated = [tok.decode(new, skip_special_tokens=True) for _, outs in turns for new, _ in outs]
     assert all(text in prompts or (text.startswith("\n") and text.endswith("\n")) for text in encoded), encoded
     assert not any(g.strip() and g in text for g in generated for text in encoded if text not in prompts)

@@ -30,6 +30,7 @@ from rlcli.batch import RolloutBatch
 from rlcli.envs.chat import ChatFormat, Message
 from rlcli.envs.env import Environment, Toolbox, ToolEnv
 from rlcli.rewards.functions import import_dotted
+from rlcli.rollout.hf import left_padded
 from rlcli.rollout.sampling import Sampling
 
 ENV_METRICS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "observation_tokens", "used_tool", "reward")
@@ -108,9 +109,8 @@ class MultiTurn:
               with_logprobs: bool) -> RolloutBatch:
         """The rows as a RolloutBatch: prompts left-padded [N, Tp], responses right-padded [N, T]."""
         pad = self.tokenizer.pad_token_id
-        tp, t = max(len(r.prompt) for r in rows), max(1, max(len(r.ids) for r in rows))
-        prompt_ids = torch.tensor([[pad] * (tp - len(r.prompt)) + r.prompt for r in rows])  # [N, Tp]
-        prompt_mask = torch.tensor([[0] * (tp - len(r.prompt)) + [1] * len(r.prompt) for r in rows])  # [N, Tp]
+        t = max(1, max(len(r.ids) for r in rows))
+        prompt_ids, prompt_mask = left_padded([r.prompt for r in rows], pad)  # [N, Tp] each
         response_ids = torch.tensor([r.ids + [pad] * (t - len(r.ids)) for r in rows])  # [N, T]
         token_mask = torch.tensor([[1.0] * len(r.ids) + [0.0] * (t - len(r.ids)) for r in rows])  # [N, T]
         response_mask = torch.tensor([r.trained + [0.0] * (t - len(r.ids)) for r in rows])  # [N, T]
