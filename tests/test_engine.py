@@ -204,16 +204,34 @@ def test_bf16_zero0_skips_a_non_finite_step():
 
 
 @pytest.mark.slow
-def test_gpu_smoke_runs_its_path_on_a_small_qwen2_shape_and_refuses_a_machine_without_cuda():
-    """`make gpu-smoke`'s model building and training path, on CPU with a 2-layer Qwen2 shape; and on this
-    CPU machine its entry point exits with the reason instead of a traceback."""
+def test_gpu_smoke_runs_its_whole_path_at_toy_scale_and_refuses_a_machine_without_cuda(tmp_path):
+    """`make gpu-smoke`'s path on CPU at toy scale (--tiny): the model built from a Qwen2 shape, a configuration
+    measured in its own process, one that fails recorded with its error while the suite goes on, the learning curve,
+    the result files. Without --tiny, on this CPU machine, its entry point exits with the reason, not a traceback."""
+    import json
     import subprocess
     import sys
 
-    from rlcli.gpu_smoke import QWEN25_05B, smoke
-
-    shape = {**QWEN25_05B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
-    rows = smoke(shape, ["rollout.prompts_per_step=2", "rollout.n=2", "rollout.max_new_tokens=8", "model.dtype=float32"], 1)
-    assert rows[0]["perf/tokens_per_s"] > 0 and rows[0]["actor/skipped_steps"] == 0
+    out = subprocess.run([sys.executable, "-m", "rlcli.gpu_smoke", "--tiny", "--only", "hf, ZeRO-0, rollout",
+                          "--only", "vllm, ZeRO-0, sleep", "--only", "curve", "--steps", "1", "--curve-steps", "2",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads((tmp_path / "gpu_results.json").read_text())
+    assert list(res["speed"]) == ["hf, ZeRO-0, rollout correction", "vllm, ZeRO-0, sleep mode"]
+    r = res["speed"]["hf, ZeRO-0, rollout correction"]
+    assert r["trajectories"] == 4 and r["tokens_per_step"] == 4 * (r["prompt_length/mean"] + r["response_length/mean"])
+    assert r["prompt_length/mean"] > 1 and r["response_length/mean"] >= 1
+    assert r["timing_s/step"] >= r["timing_s/rollout"] + r["timing_s/update"] > 0
+    assert r["plan_gib"] > 0 and r["device_peak_gib"] > 0
+    # hf samples from the module it trains, here in fp32: its log-probs are the trainer's up to rounding
+    assert 0 <= r["rollout_corr/logp_diff_mean"] <= r["rollout_corr/logp_diff_max"] < 1e-4
+    assert "rollout.sleep_mode=true needs hw.device=cuda" in res["speed"]["vllm, ZeRO-0, sleep mode"]["error"]
+    c = res["curve"]
+    assert [s for s, _ in c["eval"]] == [0, 1, 2] and all(0 <= a <= 1 for _, a in c["eval"])
+    assert len(c["train_acc"]) == 2 and c["median_step_s"] > 0
+    assert (tmp_path / "curve.png").stat().st_size > 10_000 and (tmp_path / "curve_metrics.jsonl").exists()
+    md = (tmp_path / "gpu_results.md").read_text()
+    assert "\n| hf, ZeRO-0, rollout correction | " in md and "- vllm, ZeRO-0, sleep mode: failed: " in md
+    assert "\n| 2 | " in md
     out = subprocess.run([sys.executable, "-m", "rlcli.gpu_smoke"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and "needs a CUDA GPU" in out.stderr and "Traceback" not in out.stderr

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rlcli.batch import RolloutBatch
-from rlcli.rollout.sampler import DynamicSamplingExhausted, GroupSampler, informative_groups
+from rlcli.rollout.sampler import DynamicSamplingExhausted, GroupSampler, informative_groups, sampling_metrics
 
 
 def batch(group_ids, accs, t=3):
@@ -151,3 +151,14 @@ def test_split_to_gives_lockstep_ranks_the_same_number_of_micro_batches():
     assert split_to([[0, 1, 2, 3, 4], [5]], 4) == [[0, 1], [2], [3, 4], [5]]
     assert split_to([[0], [1]], 4) == [[0], [1], [], []]
     assert split_to([], 2) == [[], []]
+
+
+def test_length_metrics_count_real_tokens_of_the_trained_batch():
+    b = batch([0, 1], [(1, 0), (0, 0)], t=4)
+    b = b.replace(prompt_mask=torch.tensor([[0, 1], [1, 1], [0, 1], [1, 1]]),  # left-padded: 1, 2, 1, 2 tokens
+                  response_mask=torch.tensor([[1.0, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0]]))
+    counts = {"dynamic_sampling/gen_batches": 1.0, "dynamic_sampling/kept_groups": 2.0,
+              "dynamic_sampling/generated_groups": 2.0, "dynamic_sampling/carried": 0.0}
+    m = sampling_metrics(b, [b], {}, counts)
+    assert m["prompt_length/mean"] == pytest.approx(1.5)  # (1 + 2 + 1 + 2) / 4
+    assert m["response_length/mean"] == pytest.approx(2.5) and m["response_length/max"] == 4  # (3 + 1 + 4 + 2) / 4

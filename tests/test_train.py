@@ -168,7 +168,7 @@ def test_two_processes_and_micro_batches_give_the_same_step(tmp_path, agg, algo)
     for other in (micro, dist):
         for k in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "reward/mean", "reward/std",
                   "reward/sevens", "acc/mean", "acc/pool_mean", "response_length/mean", "response_length/max",
-                  "response_length/clip_ratio", "adv/mean", "adv/std", "actor/reward_kl", "actor/kl_coef"):
+                  "prompt_length/mean", "response_length/clip_ratio", "adv/mean", "adv/std", "actor/reward_kl", "actor/kl_coef"):
             if k in ("actor/kl_loss", "actor/reward_kl", "actor/kl_coef") and k not in base["metrics"]:
                 continue  # the KL sits in the loss (grpo) or in the reward (reinforce_pp)
             assert other["metrics"][k] == pytest.approx(base["metrics"][k], rel=1e-5, abs=1e-7), k

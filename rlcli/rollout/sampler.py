@@ -134,6 +134,7 @@ def sampling_metrics(batch: RolloutBatch, pool: list[RolloutBatch], per_trajecto
     trained batch, `pool_mean`s over every trajectory generated, counts summed."""
     stats = global_stats({
         "reward": batch.scores, "acc": batch.acc, "response_length": batch.lengths.float(),
+        "prompt_length/mean": batch.prompt_mask.sum(-1).float(),
         "response_length/clip_ratio": batch.truncated.float(),
         "reward/pool_mean": torch.cat([p.scores for p in pool] or [torch.zeros(0)]),
         "acc/pool_mean": torch.cat([p.acc for p in pool] or [torch.zeros(0)]),
