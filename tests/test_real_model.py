@@ -24,7 +24,7 @@ def test_the_gguf_file_becomes_an_ordinary_cached_checkpoint_keyed_by_its_conten
     from transformers import AutoModelForCausalLM
 
     from rlcli.models import load_tokenizer
-    from rlcli.models.gguf import MARKER, locate, sha256
+    from rlcli.models.gguf import MARKER, align_special_tokens, locate, sha256
     from rlcli.models.gguf import converted as convert
 
     root, path = converted
@@ -39,6 +39,10 @@ def test_the_gguf_file_becomes_an_ordinary_cached_checkpoint_keyed_by_its_conten
     assert model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
     tok = load_tokenizer(path)
     assert tok.eos_token == EOS and tok.chat_template
+    # transformers 5.17's GGUF tokenizer took EOS from BOS; the conversion sets them from the model's config
+    tok.eos_token, tok.pad_token = "<|im_start|>", None
+    align_special_tokens(tok, model.config)
+    assert (tok.bos_token, tok.eos_token, tok.pad_token) == ("<|im_start|>", EOS, EOS)
 
 
 def test_a_missing_package_names_the_install_command():

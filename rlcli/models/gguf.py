@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 PACKAGE_PREFIX = "pkg:"
 MARKER = "rlcli_gguf.json"
@@ -69,6 +70,7 @@ def converted(spec: str) -> str:
     shutil.rmtree(tmp, ignore_errors=True)
     model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype="float32")
     tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    align_special_tokens(tokenizer, model.config)
     model.hf_quantizer = None  # de-quantized already; the GGUF quantizer only refuses to serialize
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
@@ -81,3 +83,13 @@ def converted(spec: str) -> str:
     except OSError:  # another process finished the same conversion first
         shutil.rmtree(tmp, ignore_errors=True)
     return str(out)
+
+
+def align_special_tokens(tokenizer: Any, config: Any) -> None:
+    """Set the tokenizer's BOS, EOS and padding tokens to the ids the model's config read from the GGUF file.
+    transformers 5.17's GGUF tokenizer ignored the file's EOS id (SmolLM2 got EOS = BOS = <|im_start|>; 5.19 reads
+    <|im_end|>, as the config does), and a wrong EOS breaks generation and the multi-turn contract."""
+    for name in ("bos", "eos", "pad"):
+        token_id = getattr(config, f"{name}_token_id", None)
+        if token_id is not None:
+            setattr(tokenizer, f"{name}_token", tokenizer.convert_ids_to_tokens(int(token_id)))
