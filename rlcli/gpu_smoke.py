@@ -18,6 +18,9 @@ measured), gpu_results.md (the tables), curve_metrics.jsonl and curve.png. A con
 with its error and the suite goes on. vLLM rows need `vllm` importable (skipped with the reason otherwise).
 `--tiny` runs the same path on a CPU at toy scale (a 2-layer shape, hw=cpu, the tiny model's curve): what the tests
 run. docs/gpu.md: how to run it on a GPU machine, and how to read it.
+
+For a GPU machine without network: `--bundle FOLDER` (here, with pip) fetches what it lacks beside its own torch and
+transformers; `--setup FOLDER STASH` (there, standard library only) installs what has arrived into STASH/site.
 """
 
 from __future__ import annotations
