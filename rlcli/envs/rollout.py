@@ -122,7 +122,7 @@ class MultiTurn:
             token_mask=token_mask, truncated=torch.tensor([r.truncated for r in rows]),
             group_index=torch.arange(len(answers)).repeat_interleave(n) + group_offset,
             answers=[a for a in answers for _ in range(n)],
-            texts=self.tokenizer.batch_decode([[t for t, m in zip(r.ids, r.trained) if m] for r in rows],
+            texts=self.tokenizer.batch_decode([[i for i, m in zip(r.ids, r.trained) if m] for r in rows],
                                               skip_special_tokens=True),
             rollout_logp=logp, stale=torch.zeros(len(rows), dtype=torch.bool),
             extras={f"env/{k}": torch.tensor([r.stats[k] for r in rows], dtype=torch.float32) for k in ENV_METRICS},

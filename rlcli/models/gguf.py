@@ -19,6 +19,7 @@ from typing import Any
 
 PACKAGE_PREFIX = "pkg:"
 MARKER = "rlcli_gguf.json"
+CONVERSION = 2  # in the cache entry's name: 2 sets BOS/EOS/pad from the config (align_special_tokens)
 
 
 def locate(spec: str) -> Path:
@@ -63,7 +64,7 @@ def converted(spec: str) -> str:
 
     src = locate(spec)
     digest = sha256(src)
-    out = cache_dir() / f"{src.stem}-{digest[:16]}"
+    out = cache_dir() / f"{src.stem}-{digest[:16]}-c{CONVERSION}"
     if (out / MARKER).is_file():
         return str(out)
     tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
@@ -91,5 +92,7 @@ def align_special_tokens(tokenizer: Any, config: Any) -> None:
     <|im_end|>, as the config does), and a wrong EOS breaks generation and the multi-turn contract."""
     for name in ("bos", "eos", "pad"):
         token_id = getattr(config, f"{name}_token_id", None)
+        if isinstance(token_id, list):  # several stop ids: the first is the template's
+            token_id = token_id[0] if token_id else None
         if token_id is not None:
             setattr(tokenizer, f"{name}_token", tokenizer.convert_ids_to_tokens(int(token_id)))

@@ -9,7 +9,8 @@ per training process, `Engine(policy_module, tokenizer, policy_path, cfg)`, with
     update_weights()
         called after every optimizer step: the engine samples from the new weights from then on
 
-`rest()` (after the last of a step's generation calls: the vLLM engine sleeps with rollout.sleep_mode), `close()`,
+`rest()` (the vLLM engine calls it after each `generate`, MultiTurn after a rollout's last turn: it sleeps with
+rollout.sleep_mode), `close()`,
 and two attributes: `logprobs_are_free`, whether `rollout_logp` costs nothing extra, so the loop asks for it
 every step (the rollout_corr/logp_diff_* and rollout_corr/kl metrics) and not only when algo.rollout_correction
 needs it; and `collective`, whether `generate` is a collective over ranks (HF generation under ZeRO-3 over
