@@ -210,12 +210,14 @@ def test_gpu_smoke_runs_its_whole_path_at_toy_scale_and_refuses_a_machine_withou
     measured in its own process, one that fails recorded with its error while the suite goes on, the learning curve,
     the result files. Without --tiny, on this CPU machine, its entry point exits with the reason, not a traceback."""
     import json
+    import os
     import subprocess
     import sys
 
     out = subprocess.run([sys.executable, "-m", "rlcli.gpu_smoke", "--tiny", "--only", "hf, ZeRO-0, rollout",
                           "--only", "vllm, ZeRO-0, sleep", "--only", "curve", "--steps", "1", "--curve-steps", "2",
-                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "RLCLI_CACHE": str(tmp_path / "cache")})  # nothing from the user's cache
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads((tmp_path / "gpu_results.json").read_text())
     assert list(res["speed"]) == ["hf, ZeRO-0, rollout correction", "vllm, ZeRO-0, sleep mode"]
