@@ -55,6 +55,18 @@ def metrics(per_prompt: list[dict[str, Any]], eval_cfg: Any) -> dict[str, float]
     return out | ({"eval/tool_use": sum(c > 0 for c in calls) / len(calls)} if calls else {})
 
 
+def eval_subset(examples: list[dict[str, str]], e: Any) -> tuple[list[dict[str, str]], str]:
+    """The held-out rows to evaluate: eval.size of them drawn at random with eval.subset_seed (kept in split order),
+    or all of them. -> (rows, what they are, for the start-up summary)"""
+    import random
+
+    if not e.size or e.size >= len(examples):
+        return examples, f"all {len(examples)} eval prompts"
+    keep = sorted(random.Random(e.subset_seed).sample(range(len(examples)), e.size))
+    return [examples[i] for i in keep], (f"{e.size} of {len(examples)} eval prompts (random subset, "
+                                         f"eval.subset_seed={e.subset_seed})")
+
+
 def run_eval(cfg: Any) -> dict[str, float]:
     """`rlcli eval`: evaluate cfg.model on cfg.data's eval split; write a summary and per-prompt results."""
     import torch
@@ -74,11 +86,10 @@ def run_eval(cfg: Any) -> dict[str, float]:
     path, source = resolve_model_path(cfg.model, cfg.data)
     model, tokenizer = load_policy(cfg.model, path)
     examples, report = load_split(cfg.data, "eval", cfg.seed, tokenizer=tokenizer)
-    if cfg.eval.size:
-        examples = examples[: cfg.eval.size]
+    examples, which = eval_subset(examples, cfg.eval)
     e = cfg.eval
     print(
-        f"rlcli eval\n  model     {path} ({source})\n  data      {cfg.data.name}: {len(examples)} prompts; "
+        f"rlcli eval\n  model     {path} ({source})\n  data      {cfg.data.name}: {which}; "
         f"{report.summary()}\n  sampling  k={e.k} temperature={e.temperature} top_p={e.top_p} "
         f"max_new_tokens={e.max_new_tokens or cfg.rollout.max_new_tokens}\n  output    {cfg.run_dir}",
         flush=True,

@@ -244,7 +244,8 @@ def write_markdown(rows: list[dict[str, Any]], groups: list[Group], path: Path, 
                    defaults: LadderDefaults) -> None:
     cfg = groups[0].runs[0].config
     data, ev = cfg.get("data", {}), cfg.get("eval", {})
-    eval_size = ev.get("size") or data.get("eval_size")
+    eval_size = (f"a random {ev['size']} (eval.subset_seed={ev.get('subset_seed')}) of the" if ev.get("size")
+                 else f"the first {data.get('eval_size')}" if data.get("eval_size") else "all the")
     lines = [f"# {defaults.title or 'Ladder ' + str(meta.get('paper', ''))}", ""]
     if meta.get("argv"):
         lines += ["Command:", "", "```bash", meta["argv"], "```", ""]
@@ -278,7 +279,7 @@ def write_markdown(rows: list[dict[str, Any]], groups: list[Group], path: Path, 
             "leave-one-out row, the full method), ours and the paper's, in points; rows without a base are blank."
         )
     lines += [
-        f"- ours: held-out accuracy after training on the first {eval_size} eval problems of `{data.get('name')}`, "
+        f"- ours: held-out accuracy after training on {eval_size} eval problems of `{data.get('name')}`, "
         f"k={ev.get('k')} response(s) per problem at temperature {ev.get('temperature')}; mean ± sample std "
         "(n-1) over seeds; `before` is the same evaluation of the initial policy.",
         f"- final entropy: `actor/entropy` at the last step; response length: `response_length/mean` over the "

@@ -154,6 +154,30 @@ def check_ranges(cfg: Any, schema: type, prefix: str = "") -> None:
             raise ConfigError(spec.error(key, value, single=len(items) == 1 and items[0] is value))
 
 
+def check_known_keys(cfg: Any, schema: type, prefix: str = "") -> None:
+    """Raise ConfigError naming the first key of `cfg` (a DictConfig) that its `schema` dataclass does not declare,
+    with the closest declared key. Hydra's struct mode refuses a misspelled `key=value`, but `+key=value` adds the key
+    anyway: without this check `+algo.clip_hihg=0.3` would train with clip_high unchanged. A field holding a dict
+    (reward.weights, reward.custom) is open on purpose: its keys are names the user chooses."""
+    import difflib
+
+    from omegaconf import DictConfig
+
+    if not isinstance(cfg, DictConfig):
+        return
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    for name in cfg:
+        key = f"{prefix}{name}"
+        if name not in fields:
+            close = difflib.get_close_matches(str(name), list(fields), n=1)
+            hint = f"did you mean {prefix}{close[0]}? " if close else ""
+            raise ConfigError(f"{key} is not a config key (added with +{key}=...?): {hint}`rlcli explain"
+                              f"{' ' + prefix.split('.')[0] if prefix else ''}` lists the keys")
+        sub = nested_schema(fields[name])
+        if sub is not None:
+            check_known_keys(_get(cfg, name), sub, key + ".")
+
+
 def _plain(value: Any) -> Any:
     from omegaconf import OmegaConf
 

@@ -59,6 +59,8 @@ def knobs(cls: type, prefix: str = "") -> list[tuple[str, str, Any, str]]:
             spec = range_of(f)
             if spec is not None:
                 doc += f" Valid: {spec.text()}" + (" or null." if "None" in str(hints[f.name]) else ".")
+            if isinstance(value, dict):  # rlcli.schema.check_known_keys leaves these keys to the user
+                doc += f" Open: add keys with +{key}.<name>=<value>."
             rows.append((key, str(hints[f.name]).replace("typing.", ""), value, doc))
     return rows
 

@@ -7,7 +7,7 @@ from typing import Any
 
 def startup_summary(t: Any) -> str:
     """The start-up summary of a Trainer `t`: what was loaded, the algorithm, and every batch unit."""
-    from rlcli.config import off_policy, rollout_ranks
+    from rlcli.config import off_policy, rollout_ranks, world_size
 
     cfg, a, r, hw, u, learner, s = t.cfg, t.cfg.algo, t.cfg.rollout, t.cfg.hw, t.units, t.learner, t.state
     # ZeRO-3 leaves empty placeholders in the module; ds_numel is the full count of a partitioned one.
@@ -22,7 +22,9 @@ def startup_summary(t: Any) -> str:
         f"  model          {cfg.model.name}: {t.model_path} ({t.model_source})",
         f"  parameters     {n_params / 1e6:.2f}M, dtype {cfg.model.dtype}, precision {hw.precision}"
         + (f"; LoRA r={cfg.model.lora.r}: {n_trainable / 1e6:.2f}M trainable" if cfg.model.lora.r else ""),
-        f"  hardware       {hw.name}: device {hw.device}, world size {u.world}, ZeRO-{hw.zero_stage}",
+        f"  hardware       {hw.name}: device {hw.device}, world size {world_size(hw)}"
+        + (f" ({u.world} training, {rollout_ranks(cfg)} rollout rank(s))" if rollout_ranks(cfg) else "")
+        + f", ZeRO-{hw.zero_stage}",
         "  rollout        " + (f"{r.engine}, synchronous in each training process" if r["async"].max_staleness is None
                                else f"asynchronous: {rollout_ranks(cfg)} rollout rank(s) with their own {r.engine} "
                                f"engine, max_staleness {r['async'].max_staleness}, off_policy {off_policy(cfg)}"),
@@ -50,7 +52,7 @@ def startup_summary(t: Any) -> str:
         f"{a.mini_batches * a.ppo_epochs} optimizer steps/step, {u.mini_batch_trajectories} trajectories each",
         f"    micro-batch          {hw.micro_batch} trajectories"
         + (f", <= {hw.max_tokens_per_micro_batch} tokens" if hw.max_tokens_per_micro_batch else ""),
-        f"    old-logprob pass     {'skipped (on-policy)' if u.on_policy else 'yes'}",
+        f"    old-logprob pass     {old_logprob_pass(cfg, u.on_policy)}",
         f"    log-prob pass        {learner.chunk_note}",
         f"  schedule       {cfg.steps} steps = {u.optimizer_steps} optimizer steps, lr {cfg.optim.lr} "
         f"({cfg.optim.scheduler}, warmup {cfg.optim.warmup_steps})",
@@ -58,11 +60,28 @@ def startup_summary(t: Any) -> str:
         f"top_p {r.top_p}, top_k {r.top_k}",
         f"  data           {cfg.data.name}"
         + (f" ({digits}-digit operands)" if d.source == "arith" else "")
-        + f": {len(s.prompts.examples)} train, "
-        f"{len(t.eval_examples)} eval prompts; {t.train_report.summary()}",
+        + f": {len(s.prompts.examples)} train prompts; evaluation on {t.eval_which}; {t.train_report.summary()}",
         "  checkpoints    "
         + (f"every {cfg.checkpoint.every} steps" if cfg.checkpoint.every else "only on SIGTERM/SIGINT")
         + f" to {cfg.run_dir}/checkpoints, newest {cfg.checkpoint.keep_last} kept"
         + (f"; resuming from {t.resumed_from} (step {s.step})" if t.resumed_from else ""),
     ]
     return "\n".join(lines)
+
+
+def old_logprob_pass(cfg: Any, on_policy: bool) -> str:
+    """Whether the update computes the old policy's log-probs, and what stands in for them when it does not; with
+    asynchronous rollout the rows lag even when the update is on-policy, and the summary must say so."""
+    from rlcli.config import off_policy
+
+    mode, lag = off_policy(cfg), cfg.rollout["async"].max_staleness or 0
+    if mode == "bypass":
+        return "skipped: the sampler's log-probs are the old policy (algo.off_policy=bypass)"
+    if not on_policy:
+        return "yes (several optimizer steps per batch, or KL in the reward)"
+    if not lag:
+        return "skipped (on-policy: one mini-batch, one epoch)"
+    behind = f"rows lag up to {lag} policy version(s)"
+    if mode == "decoupled":
+        return f"skipped: the current policy is the proximal one (decoupled PPO); {behind}, weighted by pi_prox/mu"
+    return f"skipped: ratios to the current policy; {behind}, corrected by algo.rollout_correction={cfg.algo.rollout_correction}"

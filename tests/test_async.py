@@ -133,7 +133,10 @@ def test_the_bound_holds_and_no_prompt_is_lost_or_trained_twice_across_a_kill(tm
     args = [f"steps={steps}", "hw=cpu_x2", f"rollout.async.max_staleness={s}", *FAST, *LONG_TAIL, *algo,
             "logger.rollouts=true", "eval.before=false"]
     straight = tmp_path / "straight"
-    train(tmp_path, cache, *args, "checkpoint.every=0", f"hydra.run.dir={straight}")
+    out = train(tmp_path, cache, *args, "checkpoint.every=0", f"hydra.run.dir={straight}")
+    # The start-up summary tells the truth about the ranks and the lag (it once said "world size 1", "on-policy").
+    assert "world size 2 (1 training, 1 rollout rank(s))" in out
+    assert f"old-logprob pass     skipped: the current policy is the proximal one (decoupled PPO); rows lag up to {s} " in out
     rows = [r for r in metric_rows(straight) if "async/staleness_max" in r]
     assert len(rows) == steps and all(r["async/staleness_max"] <= s for r in rows)
     if not algo:

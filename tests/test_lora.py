@@ -16,7 +16,7 @@ LORA = ["optim.lr=1e-2", "model.lora.r=4", "algo.kl_coef=0.04", "checkpoint.ever
 def test_lora_trains_the_adapters_only_and_the_reference_is_the_initial_policy(make_trainer):
     from transformers import AutoModelForCausalLM
 
-    t = make_trainer(*LORA, "steps=2")
+    t = make_trainer(*LORA, "steps=2", "checkpoint.hf_every=2")
     model = t.learner.actor.module
     base = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" not in n}
     lora = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
@@ -39,6 +39,9 @@ def test_lora_trains_the_adapters_only_and_the_reference_is_the_initial_policy(m
     reference = dict(copy.deepcopy(model).merge_and_unload().named_parameters())
     assert saved.keys() == reference.keys() and not any("lora" in n for n in saved)
     assert all(torch.allclose(saved[n], reference[n], atol=1e-7) for n in saved)
+    # checkpoint.hf_every saves the same merged model (here at the last step)
+    snapshot = dict(AutoModelForCausalLM.from_pretrained(f"{t.cfg.run_dir}/hf/step_2").named_parameters())
+    assert snapshot.keys() == saved.keys() and all(torch.equal(snapshot[n], saved[n]) for n in saved)
     start = dict(initial.named_parameters())
     moved = [n for n in saved if not torch.equal(saved[n], start[n])]
     assert moved and all(any(m in n for m in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
@@ -47,17 +50,19 @@ def test_lora_trains_the_adapters_only_and_the_reference_is_the_initial_policy(m
 
 def test_a_lora_checkpoint_holds_the_adapters_and_resumes_bit_identically(make_trainer):
     """Checkpoints leave the frozen base out (it is rebuilt from the model path): the actor checkpoint is
-    a fraction of the full model's, and a run resumed from step 1 logs step 2 exactly as a straight run."""
+    a fraction of the full model's, and a run resumed from step 1 logs step 2 exactly as a straight run. Dropout is
+    on: sampling draws from generators of its own, so without dropout nothing in a step reads the global torch RNG,
+    and a resume that forgot to restore it would pass."""
     import json
     import os
 
-    straight = make_trainer(*LORA, "steps=2", "save=false", run="straight")
+    straight = make_trainer(*LORA, "steps=2", "model.lora.dropout=0.1", run="straight")
     straight.fit()
     step1 = os.path.join(straight.cfg.run_dir, "checkpoints", "step_1")
     size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(os.path.join(step1, "actor")) for f in fs)
     full = sum(p.numel() * 4 for n, p in straight.learner.actor.module.named_parameters())
     assert size < 0.5 * full
-    resumed = make_trainer(*LORA, "steps=2", "save=false", f"resume={step1}", run="resumed")
+    resumed = make_trainer(*LORA, "steps=2", "model.lora.dropout=0.1", "save=false", f"resume={step1}", run="resumed")
     resumed.fit()
 
     def rows(t):

@@ -179,3 +179,78 @@ def test_explain_shows_the_ranges():
     text = explain("rollout", CONF_DIR)
     assert "Valid: >= 1." in next(line for line in text.splitlines() if line.startswith("rollout.prompts_per_step "))
     assert "Valid: one of: hf, vllm." in text
+
+
+# Written by hand from each knob's meaning, not read from the schema: a bound loosened or dropped in the schema
+# (rollout.top_p without its upper bound) leaves a value here accepted, and the test below fails. The derived
+# tests above cannot see that: they build their values from the bounds under test.
+NAN, INF = math.nan, math.inf
+OUT_OF_RANGE = {
+    "algo.adv_estimator": ["gpro"], "algo.gamma": [-0.1, 1.01], "algo.lam_actor": [-0.1, 1.5],
+    "algo.lam_critic": [-1, 2], "algo.length_adaptive_alpha": [0, -0.05], "algo.policy_loss": ["ppo2"],
+    "algo.clip_low": [-0.2, 1.2], "algo.clip_high": [-0.28, NAN], "algo.dual_clip": [1, 0.5],
+    "algo.ratio_clamp": [1, 0.9], "algo.loss_agg": ["mean"], "algo.seq_reweight_alpha": [-1],
+    "algo.ppo_epochs": [0, -1], "algo.mini_batches": [0], "algo.kl_coef": [-0.04, INF], "algo.kl_estimator": ["k4"],
+    "algo.kl_target": [0, -6], "algo.kl_horizon": [0], "algo.entropy_coef": [-0.01], "algo.nll_coef": [-0.1],
+    "algo.overlong_penalty_factor": [-1], "algo.filter_metric": ["reward"], "algo.max_gen_batches": [0],
+    "algo.hierarchical_alpha": [1.5, -0.5], "algo.hybrid_alpha0": [2], "algo.hybrid_kappa": [-1],
+    "algo.baseline_weights": ["sqrt_len"], "algo.rollout_correction": ["tis"], "algo.rollout_correction_upper": [0],
+    "algo.rollout_correction_lower": [-1], "algo.off_policy": ["on"], "algo.behav_weight_cap": [0, -2],
+    "algo.value_clip": [0, -0.5],
+    "model.dtype": ["fp32"], "model.attn_implementation": ["flash"], "model.lora.r": [-8],
+    "model.lora.alpha": [0, -16], "model.lora.dropout": [1, 1.5, -0.1],
+    "model.arch.hidden_size": [0], "model.arch.num_hidden_layers": [0], "model.arch.intermediate_size": [-1],
+    "model.arch.vocab_size": [0], "model.arch.num_attention_heads": [0], "model.arch.num_key_value_heads": [0],
+    "model.arch.head_dim": [0], "model.tiny.hidden_size": [0], "model.tiny.num_layers": [0],
+    "model.tiny.num_heads": [0], "model.tiny.intermediate_size": [0], "model.tiny.max_position_embeddings": [0],
+    "model.tiny.rope_theta": [0, -10000.0], "model.tiny.attn_implementation": ["flash_attention_2"],
+    "model.warm_start.steps": [0], "model.warm_start.batch_size": [0], "model.warm_start.lr": [0, -1e-3],
+    "model.warm_start.warmup": [-1], "model.warm_start.seed": [-1, 2**32], "model.warm_start.carry_slip": [1.1, -0.1],
+    "model.warm_start.tool_demos": [1.5, -0.5], "model.warm_start.eval_size": [0],
+    "hw.device": ["gpu", "mps"], "hw.nproc": [0], "hw.nnodes": [0], "hw.node_rank": [-1], "hw.zero_stage": [4, -1],
+    "hw.precision": ["fp16", "fp8"], "hw.micro_batch": [0], "hw.max_tokens_per_micro_batch": [0, "max"],
+    "hw.logits_chunk": [-256], "hw.device_memory_gb": [0, -80], "hw.peak_tflops": [0], "hw.memory_bandwidth_gbs": [0],
+    "hw.host_link_gbs": [-1], "hw.num_threads": [0], "hw.master_port": [0, 65536, 70000],
+    "hw.collective_timeout_s": [0], "hw.shutdown_timeout_s": [-1],
+    "reward.weights": [NAN, INF], "reward.correct_score": [NAN], "reward.incorrect_score": [-INF],
+    "reward.length_target": [-1], "reward.length_scale": [0], "reward.timeout_s": [0, -5], "reward.num_workers": [0],
+    "reward.memory_mb": [128, 0], "reward.answer_format": ["last_word"], "reward.max_response_chars": [0],
+    "data.source": ["hub"], "data.eval_fraction": [0, 1, 1.5], "data.adapter": ["alpaca"], "data.chat": ["yes"],
+    "data.train_size": [0], "data.eval_size": [0], "data.min_digits": [0], "data.max_digits": [0],
+    "data.max_prompt_len": [0], "data.report_bad_rows": [-1],
+    "logger.name": ["tensorboard_x"], "logger.mode": ["online_sync"], "logger.log_every": [0],
+    "rollout.engine": ["sglang"], "rollout.prompts_per_step": [0, -4], "rollout.n": [0],
+    "rollout.gen_prompts_per_step": [0], "rollout.max_new_tokens": [0], "rollout.overlong_buffer_len": [0],
+    "rollout.temperature": [0, -1, INF], "rollout.top_p": [0, 1.5, -0.5], "rollout.top_k": [-1],
+    "rollout.gen_batch_size": [0], "rollout.tensor_parallel_size": [0], "rollout.gpu_memory_utilization": [0, 1, 1.2],
+    "rollout.max_model_len": [0], "rollout.cpu_kv_cache_gb": [0], "rollout.async.max_staleness": [-1],
+    "rollout.async.rollout_ranks": [0],
+    "env.tool_format": ["json"], "env.max_turns": [0], "env.max_observation_chars": [0], "env.tool_timeout_s": [0],
+    "env.tool_memory_mb": [32], "env.tool_workers": [0],
+    "optim.lr": [0, -5e-5, NAN], "optim.weight_decay": [-0.01], "optim.betas": [1.0, -0.1], "optim.eps": [0],
+    "optim.warmup_steps": [-1], "optim.scheduler": ["step"], "optim.max_grad_norm": [0, -1],
+    "optim.max_skipped_steps": [0],
+    "critic.lr": [0], "critic.warmup_steps": [-1], "critic.head": ["quantile"], "critic.num_heads": [0],
+    "critic.num_bins": [1], "critic.v_min": [NAN], "critic.v_max": [INF], "critic.pretrain_steps": [0],
+    "critic.pretrain_ev_threshold": [1.5], "critic.aug_w0": [1.5, -0.5], "critic.aug_kappa": [-1],
+    "eval.size": [0], "eval.subset_seed": [-1, 2**32], "eval.k": [0], "eval.temperature": [-0.5], "eval.top_p": [0, 1.1],
+    "eval.pass_ks": [0], "eval.max_new_tokens": [0], "eval.batch_prompts": [0], "eval.every": [-1],
+    "ladder.index": [-1], "ladder.paper_score": [NAN],
+    "checkpoint.every": [-1], "checkpoint.hf_every": [-1], "checkpoint.keep_last": [0],
+    "seed": [-1, 2**32], "steps": [0, -1],
+}
+
+
+def test_the_hand_written_table_covers_every_ranged_field():
+    """A new ranged field gets its bad values written here by hand; a field that lost its range is noticed."""
+    ranged = {k for k, f in leaves() if range_of(f) is not None}
+    assert ranged - set(OUT_OF_RANGE) == set(), "add hand-written out-of-range values for these fields"
+    assert set(OUT_OF_RANGE) - ranged == set(), "these fields lost their declared range (or are gone)"
+
+
+@pytest.mark.parametrize("key", sorted(OUT_OF_RANGE))
+def test_a_hand_written_out_of_range_value_is_refused_naming_the_field(cfg, key):
+    for value in OUT_OF_RANGE[key]:
+        with pytest.raises(ConfigError) as e:
+            validate(with_value(cfg, key, value))
+        assert str(e.value).startswith(f"{key}="), (key, value, str(e.value))
