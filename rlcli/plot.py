@@ -121,14 +121,28 @@ def group_runs(runs: list[Run]) -> list[Group]:
     for run in runs:
         cfg = {k: v for k, v in run.config.items() if k not in IGNORED_KEYS}
         groups.setdefault(json.dumps(cfg, sort_keys=True), []).append(run)
+    from rlcli.checkpoint import flatten
+
+    differ = differing_keys([m[0].config for m in groups.values()])
     out = []
     for members in groups.values():
         members.sort(key=lambda r: (r.seed is None, r.seed or 0, str(r.path)))
-        rung = members[0].ladder.get("rung")
-        name = members[0].path.name
-        label = rung or (re.sub(r"_?seed\d+$", "", name) if len(members) > 1 else name) or name
+        flat = flatten(members[0].config)
+        swept = ", ".join(f"{k}={flat.get(k)}" for k in differ)
+        name = members[0].path.name  # a lone group: its folder, less the seed of its first member
+        label = members[0].ladder.get("rung") or swept or (re.sub(r"_?seed\d+$", "", name) if len(members) > 1 else name)
         out.append(Group(label=label, runs=members))
     return sorted(out, key=lambda g: g.sort_key)
+
+
+def differing_keys(configs: list[dict[str, Any]]) -> list[str]:
+    """The config keys whose values differ between `configs` (one per group; seed, run_dir and resume ignored):
+    what a sweep varied, which labels its groups (optim.lr=0.0001) whatever their folders are called."""
+    from rlcli.checkpoint import flatten
+
+    flats = [flatten({k: v for k, v in c.items() if k not in IGNORED_KEYS}) for c in configs]
+    keys = sorted(set().union(*flats)) if flats else []
+    return [k for k in keys if k != "resume" and len({json.dumps(f.get(k), sort_keys=True) for f in flats}) > 1]
 
 
 # ---------------------------------------------------------------------------------------- statistics

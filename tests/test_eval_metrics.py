@@ -244,3 +244,19 @@ def test_summarize_defaults_to_pass_at_k_and_rejects_ragged_groups():
         summarize([{"correct": [True, False]}, {"correct": [True]}])
     with pytest.raises(ValueError, match="pass_ks"):
         summarize([{"correct": [True, False]}], pass_ks=[3])
+
+
+def test_eval_size_is_a_seeded_random_subset_not_the_first_rows():
+    """eval.size=N once took the first N rows, the easy ones in files sorted by difficulty (data=chat_add: 75 % on
+    the first 16 against 29 % on all). It draws N at random with eval.subset_seed, the same for every training seed."""
+    from rlcli.eval import eval_subset
+
+    rows = [{"prompt": str(i), "answer": str(i)} for i in range(100)]
+    picked, which = eval_subset(rows, SimpleNamespace(size=16, subset_seed=0))
+    assert len(picked) == 16 and picked != rows[:16] and which == "16 of 100 eval prompts (random subset, eval.subset_seed=0)"
+    assert [int(r["prompt"]) for r in picked] == sorted(int(r["prompt"]) for r in picked)  # kept in split order
+    assert max(int(r["prompt"]) for r in picked) >= 50  # drawn from the whole split
+    assert eval_subset(rows, SimpleNamespace(size=16, subset_seed=0))[0] == picked  # reproducible
+    assert eval_subset(rows, SimpleNamespace(size=16, subset_seed=1))[0] != picked
+    assert eval_subset(rows, SimpleNamespace(size=None, subset_seed=0)) == (rows, "all 100 eval prompts")
+    assert eval_subset(rows, SimpleNamespace(size=500, subset_seed=0))[0] == rows

@@ -365,6 +365,28 @@ def test_plot_labels_plain_runs_by_dir_name(tmp_path):
     assert groups.label == "1_dapo_00_naive_grpo" and len(groups.runs) == 2
 
 
+def test_plot_labels_a_sweep_by_the_values_it_varied(tmp_path):
+    """Groups of a sweep are labelled by the keys whose values differ between them, not by their folders' names."""
+    for job, (lr, seed) in enumerate([(1e-4, 1), (1e-4, 2), (1e-3, 1)]):
+        d = fake_run(tmp_path, job, 0, seed)
+        cfg = OmegaConf.load(d / "config.yaml")
+        cfg.ladder = {"paper": None, "rung": None, "index": None, "paper_score": None, "changes": []}
+        cfg.optim = {"lr": lr}
+        OmegaConf.save(cfg, d / "config.yaml")
+    groups = group_runs(find_runs([tmp_path]))
+    assert sorted((g.label, len(g.runs)) for g in groups) == [("optim.lr=0.0001", 2), ("optim.lr=0.001", 1)]
+
+
+def test_a_sweep_folder_is_named_by_the_values_it_sweeps():
+    from rlcli.config import sweep_subdir
+
+    argv = ["optim.lr=1e-4,1e-3", "seed=range(1,3)", "steps=20", "recipe=dapo/01_x", "hydra.sweep.dir=out"]
+    overrides = ["optim.lr=1e-4", "seed=2", "steps=20", "recipe=dapo/01_x"]
+    assert sweep_subdir(3, overrides, argv) == "3_optim.lr=1e-4,seed=2"
+    assert sweep_subdir(0, ["recipe=dapo/01_x", "steps=2"], ["recipe=dapo/01_x", "steps=2"]) == "0_recipe=dapo-01_x,steps=2"
+    assert sweep_subdir(1, [], []) == "1" and len(sweep_subdir(1, ["k=" + "v" * 300], [])) == 102
+
+
 # ---------------------------------------------------------------------------------------- end to end
 @pytest.mark.slow
 def test_ladder_smoke_two_rungs(tmp_path):
