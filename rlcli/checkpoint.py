@@ -8,7 +8,7 @@ straight one (tests/test_checkpoint.py):
       step_N/
         manifest.json     every other file's size and SHA-256, written by `commit` after all ranks wrote theirs;
                           resume verifies it before loading (a truncated or bit-flipped file is named)
-        meta.json         step, world size, wandb run id, what resume needs to know
+        meta.json         step, world size, the logger backends' run ids, what resume needs to know
         config.yaml       the frozen config of the run that wrote it (checked on resume)
         metrics.jsonl     the run's metric rows up to step N (a resumed run continues from exactly these)
         actor/ critic/    DeepSpeed checkpoints: weights, optimizer moments, step counters, LR schedule
@@ -68,7 +68,7 @@ MAY_CHANGE = frozenset({
     "rollout.max_model_len", "rollout.tensor_parallel_size",
     "hw.node_rank", "hw.master_addr",  # each node of a multi-node run checks the config node 0 wrote
 })
-MAY_CHANGE_GROUPS = ("checkpoint.", "logger.", "eval.", "ladder.")
+MAY_CHANGE_GROUPS = ("checkpoint.", "logger.", "eval.", "ladder.", "sweep.")
 STEP_DIR = re.compile(r"step_(\d+)")
 
 
@@ -77,7 +77,13 @@ class CheckpointConfig:
     every: int = rng(20, ge=0, why="0 = only when stopped by a signal")
     """Write a checkpoint every this many training steps and at the last one (0 = only when stopped by
     SIGTERM/SIGINT). 20 suits models up to ~1B, whose checkpoint costs seconds; model=qwen2.5-32b sets 5
-    (README, "Checkpoints and resume")."""
+    (README, "Checkpoints and resume"). `save=false` turns these off too, the one on a signal included: such a
+    run writes no checkpoint, whatever `every` says."""
+    hf_every: int = rng(0, ge=0, why="0 = off")
+    """Also save the policy in Hugging Face format every this many training steps, to run_dir/hf/step_<N>
+    (save_pretrained + tokenizer, LoRA merged, gathered under ZeRO-3: `AutoModelForCausalLM.from_pretrained`
+    loads it, like TRL's `save_steps`), for evaluating intermediate policies; all are kept, and none is read on
+    resume (checkpoints are). 0 = off; `save=false` turns it off too. The final policy is run_dir/policy."""
     keep_last: int = rng(2, ge=1)
     """Checkpoints kept in run_dir/checkpoints; an older one is deleted only after a newer one is complete, and
     the newest intact one never."""
@@ -228,30 +234,47 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def check_compatible(path: str, cfg: Any) -> None:
-    """Raise ValueError naming every key whose value differs from the checkpoint's and changes the math."""
+    """`rlcli train`'s check of a resumed run before anything loads: the same number of training ranks, no key
+    that changes the math differs from the checkpoint's, and `steps` reaches the checkpoint's step. Raises
+    ConfigError naming the keys and the fix."""
     from omegaconf import OmegaConf
+
+    from rlcli.config import units
 
     saved = flatten(OmegaConf.to_container(OmegaConf.load(os.path.join(path, "config.yaml")), resolve=True))
     now = flatten(OmegaConf.to_container(cfg, resolve=True))
+    meta = read_meta(path)
+    world = units(cfg).world
+    if meta["world_size"] != world:  # the data order, the optimizer's shards and each rank's RNG state depend on it
+        layout = " ".join(f"{k}={saved[k]}" for k in ("hw.nproc", "hw.nnodes", "rollout.async.rollout_ranks")
+                          if k in saved and saved[k] != now.get(k))
+        raise ConfigError(
+            f"resume={path} was written by {meta['world_size']} training rank(s), this run has {world}: resume with "
+            f"the checkpoint's {layout or 'hw.nproc'} (a checkpoint is not resharded), or start a new run"
+        )
     differ = sorted(
         k for k in saved.keys() | now.keys()
         if saved.get(k) != now.get(k) and k not in MAY_CHANGE and not k.startswith(MAY_CHANGE_GROUPS)
     )
     if differ:
         shown = ", ".join(f"{k} ({saved.get(k)!r} in the checkpoint, {now.get(k)!r} now)" for k in differ)
-        raise ValueError(
+        raise ConfigError(
             f"resume={path} was written by a run with a different config: {shown}. These keys change the math of "
             "the steps that follow: set them back to the checkpoint's values, or start a new run. Keys that may "
             f"change on resume: {', '.join(sorted(MAY_CHANGE))}, {', '.join(g + '*' for g in MAY_CHANGE_GROUPS)}"
         )
-    step = read_meta(path)["step"]
+    step = meta["step"]
     if cfg.steps < step:
-        raise ValueError(f"steps={cfg.steps} is below the checkpoint's step {step}: set steps >= {step}")
+        raise ConfigError(f"steps={cfg.steps} is below the checkpoint's step {step} (resume={path}): set steps >= "
+                          f"{step}; steps counts the whole run, not the steps still to go")
 
 
 def read_meta(path: str) -> dict[str, Any]:
     with open(os.path.join(path, "meta.json")) as f:
-        return json.load(f)
+        meta = json.load(f)
+    if "logger_ids" not in meta:  # written before logger backends: {"wandb_id": id or null}
+        meta["logger_ids"] = {"wandb": meta["wandb_id"]} if meta.get("wandb_id") else {}
+    return meta
 
 
 def staging(run_dir: str, step: int, rank: int, barrier: Any) -> str:
@@ -342,7 +365,7 @@ def free_bytes(path: str) -> int:
 def check_space(cfg: Any) -> None:
     """`rlcli train`'s check before loading anything: refuse a run directory without room for one checkpoint (a
     new one is complete before the oldest kept one is deleted)."""
-    if not cfg.checkpoint.check_space:
+    if not cfg.checkpoint.check_space or not cfg.save:  # save=false writes no checkpoint
         return
     need, how = needed_bytes(cfg)
     free = free_bytes(cfg.run_dir)
@@ -391,24 +414,25 @@ def stop_on_disk_full(cfg: Any) -> Iterator[None]:
         ) from e
 
 
-def write_run_files(directory: str, cfg: Any, step: int, world: int, wandb_id: str | None) -> None:
-    """The frozen config.yaml and meta.json of a checkpoint being staged in `directory` (rank 0)."""
+def write_run_files(directory: str, cfg: Any, step: int, world: int, logger_ids: dict[str, str]) -> None:
+    """The frozen config.yaml and meta.json of a checkpoint being staged in `directory` (rank 0). `logger_ids`: each
+    logger backend's run id ({"wandb": ..., "mlflow": ...}), which a resumed run continues (rlcli.loggers)."""
     from omegaconf import OmegaConf
 
     OmegaConf.save(cfg, os.path.join(directory, "config.yaml"), resolve=True)
     with open(os.path.join(directory, "meta.json"), "w") as f:
-        json.dump({"step": step, "world_size": world, "run_dir": cfg.run_dir, "wandb_id": wandb_id}, f, indent=2)
+        json.dump({"step": step, "world_size": world, "run_dir": cfg.run_dir, "logger_ids": logger_ids}, f, indent=2)
 
 
-def resume_command(run_dir: str) -> str:
-    """The command that continues this run: its Hydra overrides (run_dir/.hydra/overrides.yaml), in
-    the same run directory, with resume=auto."""
+def resume_command(run_dir: str, command: str = "train") -> str:
+    """The command that continues this run (`rlcli <command>`): its Hydra overrides (run_dir/.hydra/overrides.yaml),
+    in the same run directory, with resume=auto."""
     from omegaconf import OmegaConf
 
     overrides_file = os.path.join(run_dir, ".hydra", "overrides.yaml")
     given = list(OmegaConf.load(overrides_file)) if os.path.exists(overrides_file) else []
     kept = [o for o in given if not o.startswith(("resume=", "hydra.run.dir=", "hydra.sweep.dir="))]
-    return shlex.join(["rlcli", "train", *kept, f"hydra.run.dir={run_dir}", "resume=auto"])
+    return shlex.join(["rlcli", command, *kept, f"hydra.run.dir={run_dir}", "resume=auto"])
 
 
 def to_stderr(msg: str) -> None:

@@ -1,4 +1,4 @@
-"""`rlcli <command> [hydra overrides]`: train | sft | eval | plan | ladder | plot | explain.
+"""`rlcli <command> [hydra overrides]`: train | sft | eval | plan | ladder | plot | export | explain.
 
 Compose once, freeze, fan out (docs/design.md#config): this process composes the config with Hydra,
 validates it, writes run_dir/config.yaml, then trains in-process (hw.nproc == 1) or launches
@@ -20,10 +20,12 @@ COMMANDS = {
     "train": "RL training: rollout -> reward -> shaping -> scoring -> advantage -> update.",
     "eval": "Sample eval.k responses per held-out prompt: acc_avg@k, pass@k, maj@k, length, truncation.",
     "sft": "Supervised warm-start of the embedded tiny model on the embedded task (cached).",
+    "rm": "Train a Bradley-Terry reward model from preference pairs (rm=..., docs/reward_models.md).",
     "plan": "Per-device memory of a config (weights ... KV cache) vs the device, and fixes (--help).",
     "explain": "Print every config key with its type, default and meaning (optionally one group).",
     "ladder": "Run a paper's ablation ladder (recipes/<paper>/) over seeds; table + figure (--help).",
     "plot": "Training-curve figure of run or sweep directories (--help).",
+    "export": "A run's policy + a model card in a Hugging Face directory; --push uploads it (--help).",
 }
 
 
@@ -44,6 +46,11 @@ def _environment() -> None:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("WANDB_SILENT", "true")
+    # User code named by a dotted path (reward.custom, env.name, env.tools) imports from the working folder, as
+    # under `python -m`; appended, so a file there never shadows an installed module. Reward workers inherit
+    # sys.path (rlcli/rewards/pool.py), torchrun workers run under `python -m`.
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
 
 
 def _run_dir(cfg: Any) -> str:
@@ -73,29 +80,44 @@ def _freeze(cfg: Any) -> str:
     return path
 
 
+def check_inputs(cfg: Any, splits: tuple[str, ...]) -> None:
+    """What this machine must hold for `rlcli train` / `rlcli eval`, checked in about a second before anything
+    loads (`rlcli plan` needs none of it): the model directory (or a cached hub id), the data files (format and
+    columns of their first rows), the reward.custom functions (importable). A ConfigError names the key."""
+    from rlcli.data.loaders import check_files
+    from rlcli.models.config import check_model_path
+    from rlcli.rewards.config import check_importable
+
+    check_model_path(cfg.model)
+    check_files(cfg.data, splits)
+    check_importable(cfg.reward)
+
+
 def train_job(cfg: Any) -> dict[str, Any] | None:
-    """One Hydra job: validate, resolve `resume` (and check the checkpoint's config against this one),
-    freeze, then train here or launch workers."""
+    """One Hydra job: validate, check the inputs, resolve `resume` (and check the checkpoint's config against this
+    one), plan the memory, freeze, then train here or launch workers."""
     from omegaconf import open_dict
 
     from rlcli import checkpoint
     from rlcli.config import validate
+    from rlcli.metrics import RunLog
     from rlcli.plan import check_fits, fits_line
 
     _run_dir(cfg)
     validate(cfg)
-    checkpoint.check_space(cfg)  # room for one checkpoint, before anything is loaded
-    plan = check_fits(cfg)  # the memory plan (`rlcli plan`) on the data's real lengths, before any weights load
-    if plan is not None:
-        print(fits_line(plan), flush=True)
-    resume = checkpoint.resolve(cfg.resume, cfg.run_dir)
+    check_inputs(cfg, ("train", "eval"))
+    resume = checkpoint.resolve(cfg.resume, cfg.run_dir)  # before the memory plan, which tokenises every prompt
     if resume is not None:
         checkpoint.check_compatible(resume, cfg)
     elif cfg.resume is None and checkpoint.latest(cfg.run_dir) is not None:
         raise SystemExit(f"{cfg.run_dir} holds checkpoints of an earlier run: pass resume=auto to continue it, "
                          "or choose another hydra.run.dir for a new run")
     elif cfg.resume == "auto":
-        print(f"resume=auto: no checkpoint in {checkpoint.root(cfg.run_dir)} yet, starting fresh", flush=True)
+        RunLog(cfg.run_dir)(f"resume=auto: no checkpoint in {checkpoint.root(cfg.run_dir)} yet, starting fresh")
+    checkpoint.check_space(cfg)  # room for one checkpoint, before anything is loaded
+    plan = check_fits(cfg)  # the memory plan (`rlcli plan`) on the data's real lengths, before any weights load
+    if plan is not None:
+        RunLog(cfg.run_dir)(fits_line(plan))  # the terminal and cli.log, like everything the run prints
     with open_dict(cfg):
         cfg.resume = resume  # the frozen config names the checkpoint itself
     frozen = _freeze(cfg)
@@ -130,7 +152,9 @@ def launch(frozen_config: str, hw: Any) -> None:
         f"--master_port={hw.master_port or free_port()}", f"--shutdown-timeout={hw.shutdown_timeout_s}",
         "-m", "rlcli.worker", frozen_config,
     ]
-    print("launching:", " ".join(cmd), flush=True)
+    from rlcli.metrics import RunLog
+
+    RunLog(os.path.dirname(frozen_config))("launching: " + " ".join(cmd))
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     # Own session: a terminal's Ctrl-C reaches this process only, and is forwarded exactly once.
     proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
@@ -169,10 +193,14 @@ def _die_with_parent() -> None:
 
 
 def sft_job(cfg: Any) -> None:
+    from rlcli.config import Config
     from rlcli.models import as_objects, warm_start_data
+    from rlcli.schema import check_known_keys, check_ranges
     from rlcli.sft import warm_start
 
     _run_dir(cfg)
+    check_known_keys(cfg, Config)
+    check_ranges(cfg, Config)
     if cfg.model.path is not None or cfg.model.gguf_file is not None:
         raise SystemExit("rlcli sft warm-starts the embedded tiny model: leave model.path unset (and model.gguf_file)")
     path = warm_start(*as_objects(cfg.model.tiny, cfg.model.warm_start), **warm_start_data(cfg.data))
@@ -184,45 +212,104 @@ def sft_job(cfg: Any) -> None:
 
 def eval_job(cfg: Any) -> dict[str, float]:
     from rlcli.config import validate
-    from rlcli.eval import run_eval
 
     _run_dir(cfg)
     validate(cfg)
+    check_inputs(cfg, ("eval",))
+    from rlcli.eval import run_eval  # torch: after the checks, which answer in a second
+
     return run_eval(cfg)
 
 
-JOBS = {"train": train_job, "sft": sft_job, "eval": eval_job}
+def rm_job(cfg: Any) -> dict[str, Any]:
+    from rlcli.rm.job import rm_job as job
+
+    return job(cfg)
+
+
+JOBS = {"train": train_job, "sft": sft_job, "eval": eval_job, "rm": rm_job}
 
 
 def _hydra_main(command: str, argv: list[str]) -> None:
     import hydra
 
+    from rlcli import sweep
     from rlcli.config import register_configs
 
-    register_configs()
     job = JOBS[command]
 
+    from_job: list[BaseException] = []
+
     @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
-    def entry(cfg: Any) -> None:
+    def entry(cfg: Any) -> float | None:
+        """One job. Under -m (a trial of a sweep) `train` returns sweep.objective to the sweeper, and a failure of the
+        job (a user's mistake or a crash) is recorded and raised as TrialFailed, so the other trials run (rlcli.sweep)."""
+        import traceback
+
+        multirun = sweep.in_multirun()
         try:
             job(cfg)
+            return sweep.finished(cfg) if multirun and command == "train" else None
         except Exception as e:  # a user's mistake leaves the job as SystemExit, which Hydra does not report
             message = user_message(e)
             if message is None:
+                if multirun:  # an internal error: its traceback, then the trial fails
+                    traceback.print_exc()
+                    raise sweep.failed(f"{type(e).__name__}: {e}") from e
+                from_job.append(e)
                 raise
             if DEBUG:
-                import traceback
-
                 traceback.print_exc()
+            if multirun:
+                raise sweep.failed(message) from e
             raise SystemExit(message) from e
+        except SystemExit as e:  # rlcli's own refusals, and workers that failed
+            if not multirun or sweep.stopped_by_signal(e):
+                raise
+            raise sweep.failed(e.code if isinstance(e.code, str) else f"exit code {e.code}") from e
 
     if command != "train" and not any(a.startswith(("hydra.run.dir=", "hydra.sweep.dir=")) for a in argv):
         argv = [f"hydra.run.dir=runs/{command}/${{now:%Y-%m-%d}}/${{now:%H-%M-%S}}", *argv]
+    sweep.check_plugins(argv)
+    if "hydra/sweeper=optuna" in argv:
+        argv = sweep.optuna_overrides(argv)
+    register_configs(argv)
     sys.argv = [f"rlcli {command}", *argv]
     # Hydra would print errors itself (a shortened traceback, exit 1); let them reach main(), which prints a
     # user's mistake in one line and an internal error with its full traceback.
     os.environ["HYDRA_FULL_ERROR"] = "1"
-    entry()
+    try:
+        entry()
+    except sweep.TrialFailed as e:  # the basic sweeper raises the first failed job's error once every job has run
+        if e.sweep_dir:
+            print(sweep.summary(e.sweep_dir), flush=True)
+        print(f"rlcli: error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from e
+    except ValueError as e:
+        if not sweep.all_failed(e):
+            raise
+        print("rlcli: error: every trial of the sweep failed (each trial's trial.json holds its error)",
+              file=sys.stderr, flush=True)
+        raise SystemExit(1) from e
+    except OSError as e:
+        if any(e is raised for raised in from_job) or e.filename is None:
+            raise
+        raise _run_dir_error(e, "hydra.sweep.dir" if {"-m", "--multirun"} & set(argv) else "hydra.run.dir") from e
+
+
+def _run_dir_error(e: OSError, key: str) -> Exception:
+    """An OSError of Hydra's own work before the job (creating the run directory, writing .hydra/ and the log in
+    it) as a one-line error naming `key`; the nearest existing part of the path that is a file, if any, is the
+    usual cause (a run directory under a file)."""
+    from rlcli.schema import ConfigError
+
+    blocker = Path(os.fsdecode(e.filename))
+    while not blocker.exists() and blocker != blocker.parent:
+        blocker = blocker.parent
+    why = (f"{blocker} is a file, not a directory" if blocker.is_file()
+           else f"{e.strerror or type(e).__name__}: {os.fsdecode(e.filename)}")
+    return ConfigError(f"{key}: cannot create or write the run directory ({why}): choose a {key} that can be "
+                       f"created and written, e.g. {key}=runs/my_run")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -314,10 +401,10 @@ def _main(argv: list[str]) -> None:
         if code:
             raise SystemExit(code)
         return
-    if command in ("ladder", "plot"):  # own argparse flags; they launch or read `train` runs
-        from rlcli import ladder, plot
+    if command in ("ladder", "plot", "export"):  # own argparse flags; they launch or read `train` runs
+        from rlcli import export, ladder, plot
 
-        code = {"ladder": ladder.main, "plot": plot.main}[command](rest)
+        code = {"ladder": ladder.main, "plot": plot.main, "export": export.main}[command](rest)
         if code:
             raise SystemExit(code)
         return

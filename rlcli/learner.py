@@ -397,10 +397,15 @@ class Learner:
             eng.load_full_state_dict(self.v_pretrained, torch.load(v_file, map_location=self.device))
         self.actor.train()
 
-    def save_final(self, run_dir: str) -> str:
-        """run_dir/policy (merged, loadable by AutoModelForCausalLM) and run_dir/critic. All ranks call it."""
-        path = os.path.join(run_dir, "policy")
+    def save_policy(self, path: str) -> str:
+        """The policy at `path` in Hugging Face format (save_pretrained + tokenizer; LoRA merged, gathered under
+        ZeRO-3), loadable by AutoModelForCausalLM. All ranks call it. -> `path`"""
         eng.save_policy(self.actor.module, self.tokenizer, path)
+        return path
+
+    def save_final(self, run_dir: str) -> str:
+        """run_dir/policy (as save_policy) and run_dir/critic. All ranks call it."""
+        path = self.save_policy(os.path.join(run_dir, "policy"))
         if self.critic is not None:
             critic_state = eng.full_state_dict(self.critic.module)
             if eng.rank() == 0:

@@ -1,4 +1,4 @@
-"""Metric sinks (stdout, run_dir/metrics.jsonl, wandb) and stage timers.
+"""Metric sinks (stdout, run_dir/metrics.jsonl, the logger backends of rlcli.loggers) and stage timers.
 
 Metric names follow the field's habits and are defined once in docs/metrics.md:
 `reward/mean`, `acc/mean`, `actor/pg_loss`, `timing_s/rollout`, ...
@@ -7,26 +7,90 @@ Metric names follow the field's habits and are defined once in docs/metrics.md:
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import resource
 import shutil
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-# The few metrics printed on the one-line step summary; everything goes to JSONL and wandb.
-HEADLINE = {
-    "acc/mean": "acc",
-    "reward/mean": "reward",
-    "response_length/mean": "len",
-    "actor/pg_loss": "pg_loss",
-    "actor/entropy": "entropy",
-    "actor/grad_norm": "grad_norm",
-    "timing_s/step": "s/step",
-}
+
+def _fixed(decimals: int) -> Callable[[float], str]:
+    """Fixed point: rounding noise (-1.1e-08) reads 0.0000, without a minus sign."""
+    def fmt(x: float) -> str:
+        text = f"{x:.{decimals}f}"
+        return text[1:] if text.startswith("-") and float(text) == 0 else text
+    return fmt
+
+
+def _significant(floor: float = 0.0, unit: str = "", spec: str = ".3g") -> Callable[[float], str]:
+    """Three significant digits (`spec`), where the scale is the point (a KL, the learning rate); a magnitude below
+    `floor` is rounding noise and reads 0."""
+    return lambda x: "0" if abs(x) < floor else f"{x:{spec}}{unit}"
+
+
+# The one-line step summary: (metric names, the first one present is shown; label; format). Everything else goes
+# to metrics.jsonl and the logger backends (docs/metrics.md defines them all).
+HEADLINE: tuple[tuple[tuple[str, ...], str, Callable[[float], str]], ...] = (
+    (("acc/mean",), "acc", _fixed(3)),
+    (("reward/mean",), "reward", _fixed(3)),
+    (("response_length/mean",), "len", _fixed(1)),
+    (("actor/pg_loss",), "pg_loss", _fixed(4)),
+    (("critic/vf_loss",), "vf_loss", _fixed(4)),
+    (("actor/kl_loss", "actor/reward_kl"), "kl", _significant(1e-6)),  # to the reference: in the loss or the reward
+    (("actor/ppo_kl",), "ppo_kl", _significant(1e-6)),  # old -> current policy over the update
+    (("actor/entropy",), "entropy", _fixed(3)),
+    (("actor/grad_norm",), "grad_norm", _significant(spec="#.3g")),
+    (("actor/lr",), "lr", _significant()),
+    (("perf/tokens_per_s",), "tok/s", _fixed(0)),
+    (("perf/peak_mem_gb",), "mem", _significant(unit="GiB", spec=".2f")),
+    (("timing_s/step",), "s/step", _fixed(2)),
+)
+
+
+def headline(metrics: dict[str, Any], step: int) -> str:
+    """`step 3  acc=0.250  reward=0.188  len=15.1  pg_loss=0.0000  kl=0.000123  ...`: the metrics of HEADLINE
+    that the step logged and are finite."""
+    parts = [f"step {step}"]
+    for keys, label, fmt in HEADLINE:
+        key = next((k for k in keys if k in metrics and math.isfinite(float(metrics[k]))), None)
+        if key is not None:
+            parts.append(f"{label}={fmt(float(metrics[key]))}")
+    return "  ".join(parts)
+
+
+class RunLog:
+    """What the run tells the terminal (the start-up summary, step lines, accuracies, the end summary), also
+    appended to run_dir/cli.log: through the log file Hydra opened there for this job if there is one (the same
+    file then holds rlcli's log messages, in order), else through its own handler (a torchrun worker's rank 0, a
+    Trainer built in code). Rank 0 only."""
+
+    FILE = "cli.log"  # Hydra's job log: <hydra.job.name>.log, and the job is rlcli/cli.py's
+
+    def __init__(self, run_dir: str):
+        run_dir = os.path.realpath(run_dir)
+        hydra = (h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)
+                 and os.path.dirname(os.path.realpath(h.baseFilename)) == run_dir)
+        self.own: logging.Handler | None = None
+        self.handler = next(hydra, None)
+        if self.handler is None:
+            os.makedirs(run_dir, exist_ok=True)
+            self.own = self.handler = logging.FileHandler(os.path.join(run_dir, self.FILE), delay=True)
+            self.handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s] %(message)s"))
+
+    def __call__(self, msg: str) -> None:
+        from tqdm.auto import tqdm
+
+        tqdm.write(msg)  # above a progress bar, if one is showing
+        self.handler.handle(logging.LogRecord("rlcli.trainer", logging.INFO, __file__, 0, msg, None, None))
+
+    def close(self) -> None:
+        if self.own is not None:
+            self.own.close()
 
 
 class Timer:
@@ -59,17 +123,25 @@ def _clean(metrics: dict[str, Any]) -> dict[str, float]:
 
 
 class MetricsLogger:
-    """Writes every metric to run_dir/metrics.jsonl, and to wandb when configured. Rank 0 only.
+    """Writes every metric to run_dir/metrics.jsonl, and to each logger backend the config turns on (wandb,
+    tensorboard, mlflow: rlcli.loggers). Rank 0 only.
 
-    A resumed run passes `rows_from` (the checkpoint's metrics.jsonl: the rows up to its step, so rows a
-    killed run wrote after it are dropped) and the checkpoint's `wandb_id` (wandb continues that run)."""
+    A resumed run passes `rows_from` (the checkpoint's metrics.jsonl: the rows up to its step, so rows a killed
+    run wrote after it are dropped), the checkpoint's `resume_step` and its `run_ids` (each backend's run id, from
+    meta.json): each backend continues its run from there without a step written twice or missing."""
 
     def __init__(self, cfg: Any, run_dir: str, config_dict: dict[str, Any], enabled: bool = True,
-                 rows_from: str | None = None, wandb_id: str | None = None):
+                 rows_from: str | None = None, resume_step: int | None = None,
+                 run_ids: dict[str, str] | None = None):
+        from rlcli import loggers
+
         self.enabled = enabled
         self.cfg = cfg
+        self.run_dir = run_dir
+        self.config = config_dict
         self.path = os.path.join(run_dir, "metrics.jsonl")
-        self.wandb = None
+        self.backends: list[loggers.Backend] = []
+        self.curves: str | None = None
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
@@ -78,47 +150,63 @@ class MetricsLogger:
             os.replace(self.path + ".tmp", self.path)
         # A fresh run starts an empty file, also in a reused run directory.
         self.file = open(self.path, "a" if rows_from else "w", buffering=1)  # noqa: SIM115 (the run's lifetime)
-        if cfg.name == "wandb":
-            import wandb
-
-            os.environ.setdefault("WANDB_DIR", run_dir)
-            os.environ.setdefault("WANDB_CACHE_DIR", os.path.join(run_dir, "wandb-cache"))
-            self.wandb = wandb.init(
-                project=cfg.project, mode=cfg.mode, dir=run_dir, config=config_dict,
-                name=os.path.basename(run_dir.rstrip("/")), id=wandb_id, resume="allow" if wandb_id else None,
-            )
+        for name in loggers.enabled(cfg):
+            resume = None
+            if rows_from is not None:
+                assert resume_step is not None, "a resumed run passes the checkpoint's step"
+                resume = loggers.Resume(resume_step, (run_ids or {}).get(name), read_jsonl(rows_from))
+            sink = loggers.BACKENDS[name](cfg, run_dir, resume)
+            sink.log_config(config_dict)
+            self.backends.append(sink)
 
     @property
-    def wandb_id(self) -> str | None:
-        return self.wandb.id if self.wandb is not None else None
+    def run_ids(self) -> dict[str, str]:
+        """Each backend's run id, saved in checkpoints (meta.json logger_ids) so that a resumed run continues it."""
+        return {b.name: b.run_id for b in self.backends if b.run_id is not None}
 
     def snapshot(self, path: str) -> None:
-        """Copy the rows written so far to `path` (a checkpoint's metrics.jsonl)."""
+        """Copy the rows written so far to `path` (a checkpoint's metrics.jsonl); the backends flush theirs."""
         if self.enabled:
             self.file.flush()
             shutil.copyfile(self.path, path)
+            for b in self.backends:
+                b.flush()
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         if not self.enabled:
             return
-        row = {"step": step, **_clean(metrics)}
-        self.file.write(json.dumps(row) + "\n")
-        if self.wandb is not None:
-            self.wandb.log(row, step=step)
+        values = _clean(metrics)
+        self.file.write(json.dumps({"step": step, **values}) + "\n")
+        for b in self.backends:
+            b.log(values, step)
 
-    def headline(self, metrics: dict[str, Any], step: int) -> str:
-        parts = [f"step {step}"]
-        for k, label in HEADLINE.items():
-            if k in metrics and math.isfinite(float(metrics[k])):
-                parts.append(f"{label}={float(metrics[k]):.4g}")
-        return "  ".join(parts)
+    def log_curves(self, result: dict[str, Any], step: int) -> None:
+        """The end of the run: draw its training curves as `rlcli plot` does (run_dir/curves.png) and attach them to
+        every backend at `step`. Nothing without a backend."""
+        if not self.enabled or not self.backends:
+            return
+        from pathlib import Path
+
+        from rlcli.plot import Run, figure, group_runs
+
+        self.file.flush()
+        run = Run(path=Path(self.run_dir), config=self.config, metrics=read_jsonl(self.path), result=result)
+        self.curves = str(figure(group_runs([run]), os.path.join(self.run_dir, "curves.png")))
+        for b in self.backends:
+            b.log_figure(self.curves, step)
+
+    @property
+    def notes(self) -> list[str]:
+        """The curves figure, and where each backend put this run and how to look at it (the end summary's lines)."""
+        curves = [f"curves.png      the training curves (rlcli plot), also in: {', '.join(b.name for b in self.backends)}"]
+        return curves * (self.curves is not None) + [note for b in self.backends if (note := b.note())]
 
     def close(self) -> None:
         if not self.enabled:
             return
         self.file.close()
-        if self.wandb is not None:
-            self.wandb.finish()
+        for b in self.backends:
+            b.close()
 
 
 def read_jsonl(path: str) -> list[dict[str, float]]:

@@ -83,6 +83,8 @@ def arch_of(model_cfg: Any) -> Arch:
                     c.get("num_key_value_heads") or heads, c.get("head_dim") or c["hidden_size"] // heads,
                     bool(c.get("tie_word_embeddings", False)),
                     c.get("model_type") == "qwen2" or bool(c.get("attention_bias", False)), config_file)
+    from rlcli.models.config import HUB_ID, download_hint
+
     a = model_cfg.arch
     required = ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size", "num_attention_heads")
     missing = [k for k in required if a[k] is None]
@@ -91,6 +93,8 @@ def arch_of(model_cfg: Any) -> Arch:
             f"model.path={model_cfg.path} is not a local directory with a config.json, and model.arch lacks "
             f"{', '.join('model.arch.' + k for k in missing)}: copy them from the model's config.json (e.g. "
             "model.arch.hidden_size=896 ...), or point model.path at a local copy of the model"
+            + (f" (rlcli downloads nothing: {download_hint(model_cfg.path)})" if HUB_ID.fullmatch(model_cfg.path or "")
+               else "")
         )
     heads = a.num_attention_heads
     return Arch(a.hidden_size, a.num_hidden_layers, a.intermediate_size, a.vocab_size, heads,
@@ -700,6 +704,7 @@ def fits_line(plan: Plan) -> str:
 HELP = """rlcli plan: per-device memory of a training config, estimated before anything is loaded.
 
 usage: rlcli plan [group=option ...] [key=value ...]      e.g. rlcli plan model=qwen2.5-32b hw=8xa100 algo=dapo
+       rlcli plan rm [group=option ...] [key=value ...]   the reward model of `rlcli rm` (rlcli/rm/plan.py)
 
 Prints, in GiB per device: the policy's weights, gradients and optimizer states (by hw.precision, hw.zero_stage
 over hw.nproc x hw.nnodes ranks, hw.offload_optimizer, hw.offload_params), the reference model (algo.kl_coef > 0,
@@ -718,6 +723,10 @@ def main(argv: list[str]) -> int:
     if "--help" in argv or "-h" in argv:
         print(HELP)
         return 0
+    if argv[:1] == ["rm"]:  # `rlcli plan rm ...`: the reward model `rlcli rm ...` would train
+        from rlcli.rm.plan import main as plan_rm
+
+        return plan_rm(argv[1:])
     from hydra import compose, initialize_config_dir
 
     from rlcli.cli import CONF_DIR

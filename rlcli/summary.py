@@ -62,8 +62,11 @@ def startup_summary(t: Any) -> str:
         + (f" ({digits}-digit operands)" if d.source == "arith" else "")
         + f": {len(s.prompts.examples)} train prompts; evaluation on {t.eval_which}; {t.train_report.summary()}",
         "  checkpoints    "
-        + (f"every {cfg.checkpoint.every} steps" if cfg.checkpoint.every else "only on SIGTERM/SIGINT")
-        + f" to {cfg.run_dir}/checkpoints, newest {cfg.checkpoint.keep_last} kept"
+        + ("none: save=false writes no weights (no checkpoint, no policy/)" if not cfg.save else
+           (f"every {cfg.checkpoint.every} steps" if cfg.checkpoint.every else "only on SIGTERM/SIGINT")
+           + f" to {cfg.run_dir}/checkpoints, newest {cfg.checkpoint.keep_last} kept"
+           + (f"; Hugging Face snapshots every {cfg.checkpoint.hf_every} steps to {cfg.run_dir}/hf"
+              if cfg.checkpoint.hf_every else ""))
         + (f"; resuming from {t.resumed_from} (step {s.step})" if t.resumed_from else ""),
     ]
     return "\n".join(lines)

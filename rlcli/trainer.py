@@ -29,6 +29,7 @@ from omegaconf import OmegaConf
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from rlcli import __version__
 from rlcli import checkpoint as ckpt
 from rlcli import engine as eng
 from rlcli.algos.advantages import AdvantageInputs, compute_advantages, outcome_token_rewards
@@ -38,8 +39,9 @@ from rlcli.batch import RolloutBatch
 from rlcli.config import units
 from rlcli.data import PromptStream, load_split
 from rlcli.engine.collectives import all_reduce, barrier, gather_objects, rank_zero_first
+from rlcli.eval import eval_subset
 from rlcli.learner import Learner, Phase, rl_phase, value_pretrain_phase
-from rlcli.metrics import MetricsLogger, Timer, dump_rollouts, peak_mem_gb
+from rlcli.metrics import MetricsLogger, RunLog, Timer, dump_rollouts, headline, peak_mem_gb
 from rlcli.models import resolve_model_path
 from rlcli.plan import fix_budget, longest_prompt
 from rlcli.rewards import RewardManager
@@ -54,10 +56,11 @@ __all__ = ["DynamicSamplingExhausted", "Trainer"]
 class Trainer:
     def __init__(self, cfg: Any, channel: Any = None):
         """`channel`: to this job's rollout ranks (asynchronous rollout, rlcli.rollout.remote); None: generate here."""
-        self.cfg = cfg
+        self.cfg, self.started = cfg, time.perf_counter()
         eng.init_distributed(cfg.hw)
         self.rank, self.units = eng.rank(), units(cfg)
         self.main = self.rank == 0
+        self.say = RunLog(cfg.run_dir) if self.main else None  # the terminal, and run_dir/cli.log
         seed_everything(cfg.seed)
         a = cfg.algo
         # Rank 0 first, the others read its cache (all hit it under `rlcli train`: its launcher resolved it first)
@@ -69,7 +72,7 @@ class Trainer:
         evals, _ = load_split(cfg.data, "eval", cfg.seed, tokenizer=self.tokenizer)
         if cfg.hw.max_tokens_per_micro_batch == "auto":  # `rlcli train` fixes it; a Trainer built in code does here
             fix_budget(cfg, longest_prompt(self.tokenizer, train + evals, cfg.env))
-        self.eval_examples = evals[: cfg.eval.size] if cfg.eval.size else evals
+        self.eval_examples, self.eval_which = eval_subset(evals, cfg.eval)
         engine = "hf" if channel else cfg.rollout.engine  # with rollout ranks: evaluation only
         self.rollout = build_engine(engine, self.learner.actor.module, self.tokenizer, self.model_path, cfg)
         self.state = LoopState(
@@ -86,12 +89,13 @@ class Trainer:
         self.logger = MetricsLogger(
             cfg.logger, cfg.run_dir, OmegaConf.to_container(cfg, resolve=True), enabled=self.main,
             rows_from=os.path.join(self.resumed_from, "metrics.jsonl") if self.resumed_from else None,
-            wandb_id=meta.get("wandb_id"),
+            resume_step=meta.get("step"), run_ids=meta.get("logger_ids"),
         )
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, Any]:
         cfg, s = self.cfg, self.state
+        first = s.step
         self.print(startup_summary(self))
         with ckpt.StopSignals(announce=ckpt.to_stderr if self.main else None) as signals:
             if s.step:
@@ -116,12 +120,14 @@ class Trainer:
                     metrics.update(self.evaluate())
                 self.logger.log(metrics, step)
                 bar.set_postfix(acc=f"{metrics['acc/mean']:.2f}", len=f"{metrics['response_length/mean']:.0f}")
-                if self.main and step % cfg.logger.log_every == 0:
-                    tqdm.write(self.logger.headline(metrics, step))
+                if step % cfg.logger.log_every == 0:
+                    self.print(headline(metrics, step))
                 signum = int(all_reduce(torch.tensor(signals.signum), "max").item())  # any rank signalled
-                every = cfg.checkpoint.every
-                if signum or (every and (step % every == 0 or step == cfg.steps)):
+                every, hf_every, path = cfg.checkpoint.every, cfg.checkpoint.hf_every, None
+                if cfg.save and (signum or (every and (step % every == 0 or step == cfg.steps))):
                     path = self.save_checkpoint()
+                if cfg.save and hf_every and step % hf_every == 0:
+                    self.save_hf(step)
                 if signum:
                     self.stop(signum, path)
         s.rollout.close()  # the rollout ranks are done: none waits on its request timeout through the evaluation
@@ -137,7 +143,9 @@ class Trainer:
             self.print(f"saved policy to {s.result['policy_path']} (AutoModelForCausalLM.from_pretrained loads it)")
         if self.main:
             with open(os.path.join(cfg.run_dir, "result.json"), "w") as f:
-                json.dump(s.result, f, indent=2)
+                json.dump({**s.result, "rlcli_version": __version__}, f, indent=2)
+        self.logger.log_curves(s.result, cfg.steps)  # to the logger backends, as `rlcli plot` draws them
+        self.print(self.end_summary(cfg.steps - first))
         self.close()
         return s.result
 
@@ -263,10 +271,42 @@ class Trainer:
         torch.save(self.state.state_dict(), os.path.join(tmp, f"rank_{self.rank}.pt"))
         if self.main:
             self.logger.snapshot(os.path.join(tmp, "metrics.jsonl"))
-            ckpt.write_run_files(tmp, cfg, step, self.units.world, self.logger.wandb_id)
+            ckpt.write_run_files(tmp, cfg, step, self.units.world, self.logger.run_ids)
         path = ckpt.commit(cfg.run_dir, step, cfg.checkpoint.keep_last, self.rank, barrier)
         self.print(f"checkpoint {path} ({time.perf_counter() - t0:.1f} s)")
         return path
+
+    def save_hf(self, step: int) -> None:
+        """run_dir/hf/step_<step>: the policy as the final one is saved (checkpoint.hf_every). All ranks call it."""
+        t0 = time.perf_counter()
+        path = self.learner.save_policy(os.path.join(self.cfg.run_dir, "hf", f"step_{step}"))
+        self.print(f"saved {path} ({time.perf_counter() - t0:.1f} s; AutoModelForCausalLM.from_pretrained loads it)")
+
+    def end_summary(self, steps: int) -> str:
+        """What the run took and left behind, and what to run next (after training `steps` steps here)."""
+        cfg, run = self.cfg, self.cfg.run_dir
+        lines = [f"done: {steps} steps, {duration(time.perf_counter() - self.started)} from loading the model to "
+                 f"the end ({duration(self.state.train_seconds)} in training steps); results in {run}",
+                 "  result.json     held-out accuracy before and after training",
+                 "  metrics.jsonl   every metric of every step (docs/metrics.md)",
+                 "  cli.log         what this run printed"]
+        policy = self.state.result.get("policy_path")
+        if policy:
+            lines.append("  policy/         the trained policy (AutoModelForCausalLM.from_pretrained loads it)")
+        if os.path.isdir(hf := os.path.join(run, "hf")):
+            lines.append(f"  hf/             {' '.join(sorted(os.listdir(hf), key=lambda n: (len(n), n)))} "
+                         "(checkpoint.hf_every)")
+        if done := ckpt.done_steps(run):
+            lines.append(f"  checkpoints/    step_{done[-1]} (the same command with a larger steps=, "
+                         f"resume=auto and hydra.run.dir={run} trains on from it)")
+        if not cfg.save:
+            lines.append("  save=false: no policy and no checkpoint written")
+        lines += [f"  {note}" for note in self.logger.notes]
+        lines.append("next:")
+        if policy:
+            lines.append(f"  rlcli eval model.path={policy}")
+        lines.append(f"  rlcli plot {run}")
+        return "\n".join(lines)
 
     def restore(self, path: str) -> dict[str, Any]:
         """Load the checkpoint at `path` into this freshly built trainer. -> its meta.json"""
@@ -277,15 +317,19 @@ class Trainer:
         self.learner.load(path)
         self.state.load_state_dict(torch.load(os.path.join(path, f"rank_{self.rank}.pt"), weights_only=False))
         self.rollout.update_weights()  # the engine was built from the initial weights
-        # The same run continues its wandb run; a branch into another run directory starts a new one.
-        return meta if meta["run_dir"] == self.cfg.run_dir else {**meta, "wandb_id": None}
+        # The same run continues its logger backends' runs; a branch into another run directory starts new ones.
+        return meta if meta["run_dir"] == self.cfg.run_dir else {**meta, "logger_ids": {}}
 
-    def stop(self, signum: int, path: str) -> None:
-        """Exit after the checkpoint a SIGTERM/SIGINT asked for, saying how to continue."""
+    def stop(self, signum: int, path: str | None) -> None:
+        """Exit after the checkpoint a SIGTERM/SIGINT asked for (none with save=false), saying how to continue."""
         import signal
 
-        self.print(f"stopped by {signal.Signals(signum).name} after step {self.state.step}; checkpoint: {path}\n"
-                   f"continue with:\n  {ckpt.resume_command(self.cfg.run_dir)}")
+        name = signal.Signals(signum).name
+        if path is None:
+            self.print(f"stopped by {name} after step {self.state.step}; save=false: no checkpoint written")
+        else:
+            self.print(f"stopped by {name} after step {self.state.step}; checkpoint: {path}\n"
+                       f"continue with:\n  {ckpt.resume_command(self.cfg.run_dir)}")
         self.close()
         raise ckpt.Stopped(128 + signum)
 
@@ -294,7 +338,19 @@ class Trainer:
         self.rollout.close()  # a multi-turn engine's tool workers
         self.logger.close()
         self.rewards.close()
+        if self.say is not None:
+            self.say.close()
 
     def print(self, msg: str) -> None:
-        if self.main:
-            tqdm.write(msg)
+        """To the terminal and run_dir/cli.log (rank 0)."""
+        if self.say is not None:
+            self.say(msg)
+
+
+def duration(seconds: float) -> str:
+    """12.3 s, 4 min 05 s, 2 h 03 min."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    if seconds < 3600:
+        return f"{int(seconds // 60)} min {int(seconds % 60):02d} s"
+    return f"{int(seconds // 3600)} h {int(seconds % 3600 // 60):02d} min"

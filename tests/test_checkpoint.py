@@ -67,7 +67,7 @@ def test_resolve_auto_without_a_checkpoint_starts_fresh_and_a_bad_path_fails(tmp
 def test_a_resume_that_changes_the_math_fails_naming_the_keys(tmp_path):
     saved = compose("steps=10", run_dir="/runs/a")
     OmegaConf.save(saved, tmp_path / "config.yaml", resolve=True)
-    (tmp_path / "meta.json").write_text(json.dumps({"step": 4}))
+    (tmp_path / "meta.json").write_text(json.dumps({"step": 4, "world_size": 1}))
     # Keys that do not change the math may change.
     ckpt.check_compatible(str(tmp_path), compose("steps=20", "logger=wandb", "eval.every=5", "hw.micro_batch=8",
                                                  "checkpoint.every=3", "resume=auto", run_dir="/runs/a"))
@@ -200,7 +200,8 @@ def test_sigkill_then_resume_auto_is_bit_identical_to_a_straight_run(tmp_path, c
     if algo == "grpo":  # wandb continues the same run
         meta = ckpt.read_meta(str(run / "checkpoints" / "step_4"))
         offline = [d for d in os.listdir(run / "wandb") if d.startswith("offline-run-")]
-        assert meta["wandb_id"] and len(offline) == 2 and all(d.endswith(meta["wandb_id"]) for d in offline)
+        wandb_id = meta["logger_ids"]["wandb"]
+        assert wandb_id and len(offline) == 2 and all(d.endswith(wandb_id) for d in offline)
 
 
 @pytest.mark.slow

@@ -374,7 +374,7 @@ def test_source_and_path_errors(tmp_path):
         validate(OmegaConf.structured(DataConfig(source="file")))
     with pytest.raises(ValueError, match="set data.source=file"):
         validate(OmegaConf.structured(DataConfig(train_path="x.jsonl")))
-    with pytest.raises(FileNotFoundError, match="never downloaded"):
+    with pytest.raises(ValueError, match="never downloaded"):  # a ConfigError: one line, exit 2
         load_examples(file_cfg(tmp_path / "absent.parquet"), "train", 0)
     (tmp_path / "data.csv").write_text("prompt,answer\n")
     with pytest.raises(ValueError, match="unsupported file type '.csv'"):

@@ -324,8 +324,7 @@ def test_the_calculator_recipe_trains_logs_its_glossary_metrics_and_resumes_bit_
     from metric_names import undocumented
 
     root, _ = calculator_cache
-    args = ["recipe=tools/calculator", "steps=3", "rollout.prompts_per_step=4", "eval.size=16", "save=false",
-            "hw.num_threads=1"]
+    args = ["recipe=tools/calculator", "steps=3", "rollout.prompts_per_step=4", "eval.size=16", "hw.num_threads=1"]
     rlcli(root, "train", *args, "checkpoint.every=2", "logger.rollouts=true", "hydra.run.dir=straight")
     rows = metric_rows(root / "straight")
     steps = [r for r in rows if "env/turns" in r]

@@ -23,7 +23,8 @@ from rlcli.schema import ConfigError, check_ranges, nested_schema, range_of
 FREE = {
     "algo.name": "a preset's label for logs and run names; any text",
     "model.name": "a preset's label; any text",
-    "model.path": "a directory or hub id: only loading it can tell",
+    "model.path": "a directory or hub id: cli.check_inputs looks for its config.json (or the hub cache) before loading "
+                  "(tests/test_errors.py)",
     "model.tokenizer_path": "a directory or hub id: only loading it can tell",
     "model.gguf_file": "a file or pkg:<package>/<file>: only finding it can tell",
     "model.lora.target_modules": "module names of the loaded model; peft reports unknown names when it wraps it",
@@ -32,19 +33,22 @@ FREE = {
     "hw.name": "a preset's label; any text",
     "hw.master_addr": "a host name or address: only the rendezvous can tell",
     "reward.custom": "dotted paths of user functions; their names and shape are checked in rewards.config.validate "
-                     "(CHECKED below), importing them happens in the workers",
+                     "(CHECKED below), cli.check_inputs imports them before anything loads (tests/test_errors.py)",
     "data.name": "a preset's label; any text",
-    "data.train_path": "a file or directory: only loading it can tell",
-    "data.eval_path": "a file or directory: only loading it can tell",
-    "data.prompt_key": "a column path of the user's file; the loader reports rows without it",
-    "data.answer_key": "a column path of the user's file; the loader reports rows without it",
+    "data.train_path": "a file or directory: cli.check_inputs reads its first rows before anything loads",
+    "data.eval_path": "a file or directory: cli.check_inputs reads its first rows before anything loads",
+    "data.prompt_key": "a column path of the user's file; cli.check_inputs names it when no first row has it",
+    "data.answer_key": "a column path of the user's file; cli.check_inputs names it when no first row has it",
     "data.solution_key": "a column path of the user's file; the loader reports rows without it",
     "data.template": "a template name or any text with {question}: CHECKED below",
-    "logger.project": "a wandb project name; any text",
+    "logger.project": "a wandb project / MLflow experiment name; any text",
+    "logger.mlflow_uri": "an MLflow tracking URI: only MLflow, opening the store at start-up, can tell",
     "ladder.paper": "ladder metadata for tables (a user's --config-dir may add papers); any text",
     "ladder.rung": "the paper's row name; any text",
     "ladder.changes": "config keys, checked against the rung's YAML by tests/test_ladder.py",
     "ladder.base": "a recipe name, resolved by `rlcli ladder`",
+    "sweep.objective": "a metric name with an optional @STEP or @lastK: validate parses it and bounds STEP by steps "
+                       "(CHECKED below)",
     "resume": "auto or a path: checkpoint.resolve judges it before anything loads (tests/test_checkpoint.py)",
     "run_dir": "set by Hydra, never by the user (cli._run_dir refuses it on the command line)",
     "env.name": "null, tools or a dotted path to a class: validate imports it (CHECKED below)",
@@ -52,6 +56,13 @@ FREE = {
     "env.template": "a template name or Jinja text: ChatFormat.check judges it on a probe conversation at start-up "
                     "(tests/test_envs.py)",
     "env.system_prompt": "any text",
+    "rm.name": "a preset's label; any text",
+    "rm.train_path": "a file or directory: rlcli rm reads its first rows before anything loads (tests/test_rm.py)",
+    "rm.eval_path": "a file or directory: rlcli rm reads its first rows before anything loads",
+    "rm.prompt_key": "a column path of the user's file; rlcli rm names it when no first row has it (tests/test_rm.py)",
+    "rm.chosen_key": "a column path of the user's file; rlcli rm names it when no first row has it",
+    "rm.rejected_key": "a column path of the user's file; rlcli rm names it when no first row has it",
+    "rm.margin_key": "null or a column path; the loader counts rows whose margin is not a finite number",
 }
 # Fields outside the generic checker whose wrong values a validate function still names (cross-field rules).
 CHECKED = {
@@ -59,6 +70,7 @@ CHECKED = {
     "reward.custom": {"mine": "nodots"},
     "env.name": "no.such.Environment",
     "env.tools": ["rlcli.envs.calculator.nothing"],
+    "sweep.objective": "reward/mean@0",
 }
 
 
@@ -218,7 +230,7 @@ OUT_OF_RANGE = {
     "data.source": ["hub"], "data.eval_fraction": [0, 1, 1.5], "data.adapter": ["alpaca"], "data.chat": ["yes"],
     "data.train_size": [0], "data.eval_size": [0], "data.min_digits": [0], "data.max_digits": [0],
     "data.max_prompt_len": [0], "data.report_bad_rows": [-1],
-    "logger.name": ["tensorboard_x"], "logger.mode": ["online_sync"], "logger.log_every": [0],
+    "logger.mode": ["online_sync"], "logger.log_every": [0],
     "rollout.engine": ["sglang"], "rollout.prompts_per_step": [0, -4], "rollout.n": [0],
     "rollout.gen_prompts_per_step": [0], "rollout.max_new_tokens": [0], "rollout.overlong_buffer_len": [0],
     "rollout.temperature": [0, -1, INF], "rollout.top_p": [0, 1.5, -0.5], "rollout.top_k": [-1],
@@ -236,8 +248,12 @@ OUT_OF_RANGE = {
     "eval.size": [0], "eval.subset_seed": [-1, 2**32], "eval.k": [0], "eval.temperature": [-0.5], "eval.top_p": [0, 1.1],
     "eval.pass_ks": [0], "eval.max_new_tokens": [0], "eval.batch_prompts": [0], "eval.every": [-1],
     "ladder.index": [-1], "ladder.paper_score": [NAN],
+    "sweep.direction": ["max", "ascending"],
     "checkpoint.every": [-1], "checkpoint.hf_every": [-1], "checkpoint.keep_last": [0],
     "seed": [-1, 2**32], "steps": [0, -1],
+    "rm.source": ["hub"], "rm.eval_fraction": [0, 1], "rm.chat": ["yes"], "rm.max_len": [0], "rm.batch_size": [0],
+    "rm.lr": [0, -1e-5], "rm.center_coef": [-0.01, NAN], "rm.train_size": [0], "rm.eval_size": [0],
+    "rm.eval_every": [-1], "rm.report_bad_rows": [-1],
 }
 
 

@@ -93,11 +93,18 @@ def test_sft_lowers_loss(tok):
     assert stats["losses"][-1] < stats["losses"][0]
 
 
-def test_warm_start_is_cached_and_loadable(tmp_path, tok):
+def test_warm_start_is_cached_and_loadable(tmp_path, tok, caplog):
     ws = WarmStartConfig(steps=2, batch_size=4, eval_size=4, cache_dir=str(tmp_path))
-    path = warm_start(SMALL, ws, progress=False, max_digits=1)
+    with caplog.at_level("INFO", logger="rlcli.sft"):
+        path = warm_start(SMALL, ws, progress=False, max_digits=1)
     report = json.loads((Path(path) / "warm_start.json").read_text())
     assert report["train_steps"] == 2 and {"greedy_acc", "sampled_acc"} <= report.keys()
+    # A build is announced before it starts (minutes on a loaded machine, before any other output) and timed after.
+    said = [r.getMessage() for r in caplog.records]
+    assert said[0].startswith(f"building the tiny model's warm start (once: cached under {path} for later runs): "
+                              "2 steps of 4 demonstrations") and " s on 2 idle cores" in said[0], said
+    assert said[-1].startswith("warm start built in ") and f"greedy acc {report['greedy_acc']:.3f}" in said[-1], said
+    assert report["acc_without_tools"] is False and "without the calculator" not in said[-1]
     mtime = (Path(path) / "warm_start.json").stat().st_mtime_ns
     assert warm_start(SMALL, ws, progress=False, max_digits=1) == path
     assert warm_start(SMALL, ws, progress=False, min_digits=1, max_digits=1, ops="+") == path
@@ -118,6 +125,17 @@ def test_warm_start_is_cached_and_loadable(tmp_path, tok):
     assert loaded.decode(loaded(text)["input_ids"]) == text
     assert model.config.eos_token_id == loaded.eos_token_id
     model.generate(**loaded(["Q: 3+4=?\nA:"], return_tensors="pt"), max_new_tokens=3)
+
+
+def test_a_warm_start_with_tool_demonstrations_says_its_accuracy_is_without_the_tool(tmp_path, caplog):
+    """recipe=tools/calculator's warm start calls the calculator, which its single-turn accuracy check does not run:
+    that number (0.205 greedy for the recipe's model) is not the run's held-out accuracy with the environment (0.770
+    before training), and the log and warm_start.json say so."""
+    ws = WarmStartConfig(steps=1, batch_size=4, eval_size=2, tool_demos=0.5, cache_dir=str(tmp_path))
+    with caplog.at_level("INFO", logger="rlcli.sft"):
+        path = warm_start(SMALL, ws, progress=False, max_digits=1)
+    assert json.loads((Path(path) / "warm_start.json").read_text())["acc_without_tools"] is True
+    assert "on 2 held-out problems answered without the calculator" in caplog.records[-1].getMessage()
 
 
 def test_warm_start_rejects_unknown_task_args(tmp_path):

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +22,8 @@ pytestmark = pytest.mark.slow
 def two_step_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("train")
     run = tmp / "run"
-    out = rlcli(tmp, "train", "steps=2", "logger=wandb", "eval.every=1", f"hydra.run.dir={run}", *FAST)
+    out = rlcli(tmp, "train", "steps=2", "logger=wandb", "eval.every=1", "checkpoint.hf_every=1", f"hydra.run.dir={run}",
+                *FAST)
     return tmp, run, out
 
 
@@ -51,7 +53,7 @@ def test_two_steps_change_every_parameter_and_log_finite_metrics(two_step_run):
 
     assert not undocumented({k for r in rows for k in r}, reward_parts=("sevens", "math_verify")), rows[-1].keys()
     # The start-up summary states the units and what was loaded.
-    for text in ("trajectories N=P*G   16", "reference model=yes", "old-logprob pass     skipped (on-policy)"):
+    for text in ("trajectories N=P*G   16", "reference model=yes", "old-logprob pass     skipped (on-policy: one mini-batch, one epoch)"):
         assert text in out.stdout
 
 
@@ -79,6 +81,45 @@ def test_saved_policy_reloads_and_generates(two_step_run):
     assert tok.decode(out[0]).startswith("Q: 12+7=?\nA:")  # the prompt, then what the policy wrote
 
 
+def test_hf_every_saves_policies_that_from_pretrained_loads(two_step_run):
+    """checkpoint.hf_every=1: run_dir/hf/step_1 and step_2, each a Hugging Face model with its tokenizer; step_2 is
+    the final policy, step_1 the policy after one update (not a copy of the final one)."""
+    _, run, _ = two_step_run
+    from transformers import AutoModelForCausalLM
+
+    from rlcli.models import load_tokenizer
+
+    final = AutoModelForCausalLM.from_pretrained(run / "policy").state_dict()
+    steps = {n: AutoModelForCausalLM.from_pretrained(run / "hf" / f"step_{n}").state_dict() for n in (1, 2)}
+    assert sorted(p.name for p in (run / "hf").iterdir()) == ["step_1", "step_2"]
+    assert steps[2].keys() == final.keys() and all(torch.equal(steps[2][k], final[k]) for k in final)
+    assert any(not torch.equal(steps[1][k], final[k]) for k in final)
+    assert load_tokenizer(str(run / "hf" / "step_1"))("Q: 1+2=?")["input_ids"]
+
+
+def test_the_run_log_holds_what_the_terminal_showed_and_nothing_is_noise(two_step_run):
+    """run_dir/cli.log holds the start-up summary, the step lines (with KL, lr, tokens/s, memory), the held-out
+    accuracy and the end summary (where the results are, the offline wandb run and how to sync it, what to run
+    next), in the order the terminal showed them. None of the noise of every run: DeepSpeed's accelerator probe
+    warning and its op probe's gcc command lines, transformers' generate deprecation."""
+    _, run, out = two_step_run
+    log = (run / "cli.log").read_text()
+    story = ["memory plan", "trajectories N=P*G   16", "step 1  acc=", "step 2  acc=", f"saved {run / 'hf' / 'step_2'}",
+             "held-out accuracy after training: ", f"saved policy to {run / 'policy'}",
+             "done: 2 steps, ", f"results in {run}", "  hf/             step_1 step_2", "wandb sync ", "next:",
+             f"rlcli eval model.path={run / 'policy'}", f"rlcli plot {run}"]
+    at = [log.find(text) for text in story]
+    assert -1 not in at and at == sorted(at), dict(zip(story, at))
+    assert all(text in out.stdout for text in story)
+    step2 = next(line for line in log.splitlines() if "step 2  acc=" in line)
+    for field in ("kl=", "lr=0.001", "tok/s=", "mem=", "pg_loss="):
+        assert field in step2, step2
+    synced = log.split("wandb sync ")[1].split()[0]
+    assert (run / "wandb").resolve() in Path(synced).resolve().parents and Path(synced).is_dir(), synced
+    for noise in ("gcc ", "Setting accelerator to CPU", "generation_config` together with generation-related"):
+        assert noise not in out.stdout + out.stderr, noise
+
+
 def test_periodic_eval_uses_the_eval_code(two_step_run):
     _, run, _ = two_step_run
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -102,14 +143,21 @@ def test_rlcli_eval_samples_k_and_writes_summary(two_step_run):
     assert "eval/acc_avg@4" in out.stdout
 
 
-def test_multirun_makes_one_run_per_seed(tmp_path):
+def test_multirun_makes_one_run_per_seed_and_save_false_saves_nothing(tmp_path):
+    """Two runs of one step each; save=false: no policy, no checkpoint (not even at the last step, which
+    checkpoint.every's schedule includes), no Hugging Face snapshot, whatever checkpoint.* says."""
     sweep = tmp_path / "sweep"
-    rlcli(tmp_path, "train", "-m", "seed=1,2", "steps=1", "eval.before=false", "save=false",
-          f"hydra.sweep.dir={sweep}", *FAST)
+    out = rlcli(tmp_path, "train", "-m", "seed=1,2", "steps=1", "eval.before=false", "save=false",
+                "checkpoint.every=1", "checkpoint.hf_every=1", f"hydra.sweep.dir={sweep}", *FAST)
     runs = sorted(p for p in sweep.iterdir() if (p / "config.yaml").exists())
-    assert len(runs) == 2
+    assert [p.name for p in runs] == ["0_seed=1", "1_seed=2"]  # folders named by the swept values
     assert sorted(OmegaConf.load(p / "config.yaml").seed for p in runs) == [1, 2]
-    assert all((p / "metrics.jsonl").exists() for p in runs)
+    assert all((p / "metrics.jsonl").exists() and (p / "result.json").exists() for p in runs)
+    for p in runs:
+        assert not {"policy", "checkpoints", "hf", "critic"} & {q.name for q in p.iterdir()}, sorted(p.iterdir())
+    assert out.stdout.count("save=false: no policy and no checkpoint written") == 2
+    assert out.stdout.count("checkpoints    none: save=false writes no weights") == 2  # the summary says so first
+    assert "saved policy" not in out.stdout and "rlcli eval model.path" not in out.stdout
 
 
 def test_cpu_x2_is_launched_by_rlcli_train(tmp_path):
@@ -117,7 +165,8 @@ def test_cpu_x2_is_launched_by_rlcli_train(tmp_path):
     out = rlcli(tmp_path, "train", "hw=cpu_x2", "steps=1", "save=false",
                 f"hydra.run.dir={run}", *FAST)
     assert "world size 2" in out.stdout + out.stderr
-    assert "launching:" in out.stdout
+    assert "launching:" in out.stdout and "launching:" in (run / "cli.log").read_text()
+    assert "step 1  acc=" in (run / "cli.log").read_text()  # rank 0 of the workers writes it too
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert any("actor/pg_loss" in r for r in rows)
 
@@ -300,7 +349,7 @@ def test_zero3_over_two_ranks_trains_like_zero0(tmp_path, x2_run):
 
     run = tmp_path / "z3"
     out = rlcli(tmp_path, "train", "hw=cpu_x2", "hw.zero_stage=3", "hw.collective_timeout_s=120",
-                "hw.max_tokens_per_micro_batch=200", f"hydra.run.dir={run}", *COMMON_X2)
+                "hw.max_tokens_per_micro_batch=200", "checkpoint.hf_every=3", f"hydra.run.dir={run}", *COMMON_X2)
     assert "ZeRO-3" in out.stdout and "parameters     0.00M" not in out.stdout
     z0, z3 = train_steps(x2_run), train_steps(run)
     assert [r["step"] for r in z3] == [1, 2, 3]
@@ -318,3 +367,6 @@ def test_zero3_over_two_ranks_trains_like_zero0(tmp_path, x2_run):
     for k in a:
         assert (a[k] - init[k]).abs().max().item() > 2e-3, k  # trained
         assert (a[k] - b[k]).abs().max().item() <= 1e-4, k
+    # checkpoint.hf_every=3 gathers the same full policy from the partitions at step 3 (the last: the final one)
+    hf = AutoModelForCausalLM.from_pretrained(run / "hf" / "step_3").state_dict()
+    assert hf.keys() == b.keys() and all(torch.equal(hf[k], b[k]) for k in b)

@@ -117,6 +117,9 @@ def test_grpo_trains_resumes_and_evaluates_with_vllm_like_hf(tmp_path):
     straight, run = tmp_path / "straight", tmp_path / "run"
     out = rlcli(tmp_path, "train", "steps=4", "checkpoint.every=0", f"hydra.run.dir={straight}", *args)
     assert "held-out accuracy after training" in out.stdout
+    # Five weight pushes, without vLLM's false alarm about the rotary embedding's computed cache (quiet_vllm) or its
+    # INFO lines; its warnings stay.
+    assert "Failed to load weights" not in out.stdout + out.stderr and "Reloading weights inplace" not in out.stdout
     steps = [r for r in stable(metric_rows(straight)) if "actor/pg_loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     for r in steps:

@@ -32,6 +32,7 @@ __all__ = [
     "KL_ESTIMATORS",
     "aggregate",
     "aggregation_counts",
+    "bradley_terry_loss",
     "cispo_policy_loss",
     "clipped_policy_loss",
     "decoupled_policy_loss",
@@ -46,6 +47,7 @@ __all__ = [
     "length_adaptive_lambda",
     "masked_mean",
     "masked_whiten",
+    "preference_metrics",
     "rank_advantages",
     "rloo_advantages",
     "rollout_correction_weights",
@@ -804,3 +806,47 @@ def positive_example_nll(
         num_tokens = m.sum()
     nll = -torch.where(m, logp, torch.zeros_like(logp)).sum()
     return nll / torch.as_tensor(num_tokens, dtype=logp.dtype).clamp(min=1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reward models (`rlcli rm`)
+# ---------------------------------------------------------------------------------------------------
+
+
+def bradley_terry_loss(
+    r_chosen: Tensor, r_rejected: Tensor, margin: Tensor | None = None, center_coef: float = 0.0,
+    num_pairs: Tensor | float | None = None,
+) -> Tensor:
+    """The reward model's loss over preference pairs, Bradley-Terry (InstructGPT, arXiv:2203.02155 eq. 1) with Llama
+    2's margin (arXiv:2307.09288 eq. 2) and the reward-centring term (Eisenstein et al. 2023, arXiv:2312.09244; TRL
+    RewardTrainer's center_rewards_coefficient):
+
+        Σ_i [ -log σ(r_c,i - r_r,i - m_i) + center_coef · (r_c,i + r_r,i)² ] / num_pairs
+
+    Shapes: r_chosen [N], r_rejected [N], margin [N] or None (m = 0) -> scalar. `num_pairs` is the normalizer over
+    the whole mini-batch (all micro-batches and ranks); default N: the mean over these pairs. -log σ(z) is computed as
+    softplus(-z), finite for any finite z. Swapping chosen and rejected is a different loss (the model would learn
+    the opposite preference); a pair scored equal costs log 2.
+    """
+    z = r_chosen - r_rejected  # [N]
+    if margin is not None:
+        z = z - margin
+    per_pair = torch.nn.functional.softplus(-z)  # [N] = -log σ(z)
+    if center_coef:
+        per_pair = per_pair + center_coef * (r_chosen + r_rejected) ** 2
+    n = len(per_pair) if num_pairs is None else num_pairs
+    return per_pair.sum() / torch.as_tensor(n, dtype=per_pair.dtype).clamp(min=1)
+
+
+def preference_metrics(r_chosen: Tensor, r_rejected: Tensor) -> dict[str, Tensor]:
+    """Means over N preference pairs (r_chosen, r_rejected [N]) -> {accuracy: share with r_c > r_r (a tie is wrong),
+    margin: mean r_c - r_r, chosen_mean, rejected_mean}; all 0 for N = 0."""
+    if not len(r_chosen):
+        zero = torch.zeros(())
+        return {"accuracy": zero, "margin": zero, "chosen_mean": zero, "rejected_mean": zero}
+    return {
+        "accuracy": (r_chosen > r_rejected).float().mean(),
+        "margin": (r_chosen - r_rejected).float().mean(),
+        "chosen_mean": r_chosen.float().mean(),
+        "rejected_mean": r_rejected.float().mean(),
+    }

@@ -38,18 +38,22 @@ def is_eval_problem(question: str) -> bool:
     return int.from_bytes(digest[:8], "big") % 100 < EVAL_PERCENT
 
 
-def worked_steps(a: int, b: int, op: str, forget: frozenset[int] = frozenset()) -> list[str]:
+def worked_steps(
+    a: int, b: int, op: str, forget: frozenset[int] = frozenset(), invent: frozenset[int] = frozenset()
+) -> list[str]:
     """Column-by-column steps for `a op b` (units first); for '-' requires a >= b.
 
     `forget` holds the columns (0 = units) whose incoming carry or borrow the solver forgets: the
     step is then written and computed without it, as a careless human would (see `arith_examples`' carry_slip).
+    `invent` holds columns that take a carry or borrow of 1 whatever came in (the opposite slip; a reward model's
+    negative examples, rlcli/rm/pairs.py).
     """
     xs, ys = str(a)[::-1], str(b)[::-1]
     width = max(len(xs), len(ys))
     xs, ys = xs.ljust(width, "0"), ys.ljust(width, "0")
     steps, carry = [], 0
     for col, (x, y) in enumerate(zip(map(int, xs), map(int, ys))):
-        carry_in = 0 if col in forget else carry
+        carry_in = 1 if col in invent else 0 if col in forget else carry
         if op == "+":
             total = x + y + carry_in
             steps.append(f"{x}+{y}{'+1' if carry_in else ''}={total}")
@@ -75,15 +79,17 @@ def carry_columns(a: int, b: int, op: str) -> list[int]:
     return [col for col, n in enumerate(terms) if n == 3]  # 'x+y+1' / 'x-y-1': a third term
 
 
-def make_example(a: int, b: int, op: str, forget: frozenset[int] = frozenset()) -> dict:
+def make_example(
+    a: int, b: int, op: str, forget: frozenset[int] = frozenset(), invent: frozenset[int] = frozenset()
+) -> dict:
     """One problem as {prompt, answer, solution, difficulty}. The solution ends in \\boxed{} of what
-    its steps give: the true answer, unless `forget` makes it a flawed demonstration (worked_steps)."""
+    its steps give: the true answer, unless `forget` or `invent` makes it a flawed solution (worked_steps)."""
     if op not in OPS:
         raise ValueError(f"op={op!r} is not supported; valid: {OPS}")
     if op == "-" and a < b:
         raise ValueError(f"subtraction needs a >= b (answers stay non-negative), got {a}-{b}")
     answer = str(a + b if op == "+" else a - b)
-    steps = worked_steps(a, b, op, forget)
+    steps = worked_steps(a, b, op, forget, invent)
     return {
         "prompt": f"Q: {a}{op}{b}=?\nA:",
         "answer": answer,

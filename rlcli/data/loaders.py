@@ -11,6 +11,10 @@ The pipeline for one split (drop and count, never cut or guess; docs/data.md, "B
   -> template + chat template -> token-length filter (dropped and counted)
   -> at most train_size / eval_size examples, in file order.
 Row numbers are 1-based: the line number in JSON lines, the row index + 1 otherwise.
+
+`check_files` is the cheap part of this, run by `rlcli train` and `rlcli eval` before anything loads: each
+file exists, has the format its suffix names, is not empty, and its first rows hold the configured columns.
+A mistake in a file or in the keys that read it is a ConfigError (one line, exit status 2), naming the key.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import Any
 
 from rlcli.data.adapters import ADAPTERS, BadRow
 from rlcli.data.templates import Prompt, render_prompt, use_chat_template
+from rlcli.schema import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +40,10 @@ SPLITS = ("train", "eval")
 PKG_SCHEME = "pkg://"
 CHUNK = 4096
 """Rows rendered and tokenized at a time; the size cap stops the work early on huge files."""
+CHECK_ROWS = 100
+"""Rows `check_files` reads from the start of each file: enough to tell a wrong format or wrong column keys."""
+FORMATS = ("the suffix picks the reader: .jsonl or .json = JSON lines, one object per line (.json also one array "
+           "of objects); .parquet or .pq = Parquet; a directory = datasets.save_to_disk")
 
 
 @dataclass
@@ -111,22 +120,23 @@ class LoadReport:
 
 
 # ---------------------------------------------------------------------------- reading files
-def resolve_path(path: str) -> Path:
-    """A local path (`~` and `$VARS` expanded) or `pkg://package/inner/path`; must exist."""
+def resolve_path(path: str, key: str = "data.train_path / data.eval_path") -> Path:
+    """A local path (`~` and `$VARS` expanded) or `pkg://package/inner/path`; must exist (else a ConfigError
+    naming `key`)."""
     if path.startswith(PKG_SCHEME):
         package, _, inner = path[len(PKG_SCHEME) :].partition("/")
         try:
             module = importlib.import_module(package)
         except ImportError:
-            raise FileNotFoundError(f"{path}: package {package!r} is not importable") from None
+            raise ConfigError(f"{key}={path}: package {package!r} is not importable") from None
         resolved = Path(module.__file__).parent / inner  # type: ignore[arg-type]
     else:
         resolved = Path(os.path.expandvars(path)).expanduser()
     if not resolved.exists():
         shown = path if str(resolved) == path else f"{path} (resolved to {resolved})"
-        raise FileNotFoundError(
+        raise ConfigError(
             f"data file {shown} does not exist; data is read from local files only, never downloaded: "
-            "point data.train_path / data.eval_path at a local .jsonl, .parquet or datasets directory"
+            f"point {key} at a local .jsonl, .parquet or datasets directory"
         )
     return resolved
 
@@ -135,24 +145,37 @@ Row = tuple[int, Any, str | None]
 """(1-based row number, the row, or None and an error message when the row could not be parsed)."""
 
 
+def _not_text(path: Path, e: UnicodeDecodeError) -> ConfigError:
+    return ConfigError(f"{path} is not JSON lines: it is not UTF-8 text (byte {e.start}: {e.reason}); {FORMATS}")
+
+
 def _json_lines(path: Path) -> Iterator[Row]:
-    with path.open(encoding="utf-8-sig") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield lineno, json.loads(line), None
-            except json.JSONDecodeError as e:
-                yield lineno, None, f"invalid JSON ({e.msg} at column {e.colno})"
+    try:
+        with path.open(encoding="utf-8-sig") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    yield lineno, json.loads(line), None
+                except json.JSONDecodeError as e:
+                    yield lineno, None, f"invalid JSON ({e.msg} at column {e.colno})"
+    except UnicodeDecodeError as e:  # a binary file: no line of it can be read, so no row can be skipped
+        raise _not_text(path, e) from None
 
 
 def _json(path: Path) -> Iterator[Row]:
-    with path.open(encoding="utf-8-sig") as f:
-        head = f.read(4096).lstrip()
+    try:
+        with path.open(encoding="utf-8-sig") as f:
+            head = f.read(4096).lstrip()
+    except UnicodeDecodeError as e:
+        raise _not_text(path, e) from None
     if not head.startswith("["):
         yield from _json_lines(path)
         return
-    data = json.loads(path.read_text(encoding="utf-8-sig"))
+    try:
+        data = json.loads(path.read_text(encoding="utf-8-sig"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} starts with '[' but is not a valid JSON array ({e}); {FORMATS}") from None
     for i, row in enumerate(data, 1):
         yield i, row, None
 
@@ -162,8 +185,12 @@ def _parquet(path: Path) -> Iterator[Row]:
         import pyarrow.parquet as pq
     except ImportError:
         raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow") from None
+    try:
+        file = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow's ArrowInvalid ("Parquet magic bytes not found"), or an OSError
+        raise ConfigError(f"{path} is not a Parquet file ({type(e).__name__}: {e}); {FORMATS}") from None
     n = 0
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=CHUNK):
+    for batch in file.iter_batches(batch_size=CHUNK):
         for row in batch.to_pylist():
             n += 1
             yield n, row, None
@@ -172,14 +199,14 @@ def _parquet(path: Path) -> Iterator[Row]:
 def _datasets_dir(path: Path) -> Iterator[Row]:
     if (path / "dataset_dict.json").exists():
         splits = sorted(p.name for p in path.iterdir() if p.is_dir())
-        raise ValueError(
+        raise ConfigError(
             f"{path} holds a DatasetDict with splits {splits}: point data.train_path / data.eval_path "
             f"at one split's folder, e.g. {path / splits[0]}"
             if splits
             else f"{path} holds an empty DatasetDict"
         )
     if not (path / "state.json").exists():
-        raise ValueError(
+        raise ConfigError(
             f"{path} is a directory but not a datasets.save_to_disk folder (no state.json): "
             "point data.train_path at a .jsonl or .parquet file"
         )
@@ -204,11 +231,19 @@ def read_rows(path: Path) -> Iterator[Row]:
         return _datasets_dir(path)
     reader = READERS.get(path.suffix.lower())
     if reader is None:
-        raise ValueError(
+        raise ConfigError(
             f"{path}: unsupported file type {path.suffix!r}; use {', '.join(READERS)} "
-            "or a datasets.save_to_disk directory"
+            f"or a datasets.save_to_disk directory ({FORMATS})"
         )
     return reader(path)
+
+
+def _keyed_rows(path: Path, key: str) -> Iterator[Row]:
+    """read_rows, whose format errors (they start with the path) then name the key that chose the file."""
+    try:
+        yield from read_rows(path)
+    except ConfigError as e:
+        raise ConfigError(f"{key}={e}" if str(e).startswith(str(path)) else str(e)) from None
 
 
 # ---------------------------------------------------------------------------- one split
@@ -225,7 +260,7 @@ def _hold_out(
     identities = [_prompt_identity(p) for _, p, _ in rows]
     distinct = sorted(set(identities), key=lambda s: (hashlib.sha256(s.encode()).digest(), s))
     if len(distinct) < 2:
-        raise ValueError(
+        raise ConfigError(
             f"{path} has {len(distinct)} distinct usable prompt: too few to hold out an eval split; "
             "give data.eval_path"
         )
@@ -236,36 +271,55 @@ def _hold_out(
     return kept, len(rows) - len(kept)
 
 
-def _no_usable_row(path: Path, cfg: Any, report: LoadReport, columns: list[str] | None) -> ValueError:
+def _no_usable_row(path: Path, cfg: Any, report: LoadReport, columns: list[str] | None, key: str,
+                   among: str = "") -> ConfigError:
+    """The error for a file none of whose rows (or none of whose first rows: `among`) gives an example."""
     if report.rows == 0:
-        return ValueError(f"{path}: the file has no rows")
+        return ConfigError(f"{key}={path}: the file has no rows; give a file with one example per row ({FORMATS})")
+    among = among or str(report.rows)
+    if set(report.skipped) == {"unreadable row"}:  # not one row parsed: the file is not in the suffix's format
+        first = report.first_skipped[0]
+        return ConfigError(
+            f"{key}={path} is not JSON lines: none of {among} rows parses as JSON (row {first[0]}: {first[1]}); "
+            f"{FORMATS}. Convert the file (a CSV file: pandas.read_csv(f).to_json('train.jsonl', orient='records', "
+            "lines=True)) or give it the suffix of its format"
+        )
     looked = f"the prompt in column {cfg.prompt_key!r} and the answer in column {cfg.answer_key!r}"
     if cfg.adapter == "math":
         looked += f" (or the last \\boxed{{}} of column {cfg.solution_key!r})"
     reasons = ", ".join(f"{kind} {n}" for kind, n in report.skipped.most_common())
     first = "; ".join(f"row {row}: {reason}" for row, reason in report.first_skipped)
     seen = f"; its rows have columns {columns}" if columns is not None else ""
-    return ValueError(
-        f"{path}: no usable row among {report.rows}. data.adapter={cfg.adapter} looked for {looked}{seen}. "
+    if columns:  # a misspelled column key: name the column it probably meant
+        import difflib
+
+        for key_name in ("prompt_key", "answer_key"):
+            value = getattr(cfg, key_name)
+            close = difflib.get_close_matches(value, [c for c in columns if c != value], n=1)
+            if value not in columns and "." not in value and "|" not in value and close:
+                seen += f" (did you mean data.{key_name}={close[0]}?)"
+    return ConfigError(
+        f"{key}={path}: no usable row among {among}. data.adapter={cfg.adapter} looked for {looked}{seen}. "
         f"Skipped: {reasons}" + (f" (first: {first})" if first else "") + ". Set data.prompt_key / "
         "data.answer_key to the file's columns (dotted paths reach nested fields), or pick the data.adapter "
         "that matches the file."
     )
 
 
-def load_file_split(cfg: Any, split: str, tokenizer: Any = None) -> tuple[list[dict[str, str]], LoadReport]:
-    """Examples of `split` from data.train_path / data.eval_path, and the report of the load."""
+def split_key(cfg: Any, split: str) -> str:
+    """The key naming the file `split` is read from: data.eval_path if set (eval), else data.train_path."""
     if split not in SPLITS:
         raise ValueError(f"split={split!r}; valid splits: {SPLITS}")
-    held_out = cfg.eval_path is None
-    path = resolve_path(cfg.train_path if split == "train" or held_out else cfg.eval_path)
-    report = LoadReport(split=split, source=str(path))
-    chat = use_chat_template(cfg.chat, tokenizer)
-    adapter = ADAPTERS[cfg.adapter]
+    return "data.eval_path" if split == "eval" and cfg.eval_path is not None else "data.train_path"
 
-    rows: list[tuple[int, Prompt, str]] = []
+
+def _adapted(cfg: Any, report: LoadReport, rows: Iterator[Row]) -> tuple[list[tuple[int, Prompt, str]], list[str] | None]:
+    """The usable rows (row number, prompt, answer) through data.adapter, and the first row's columns; bad rows
+    are counted in `report`."""
+    adapter = ADAPTERS[cfg.adapter]
+    usable: list[tuple[int, Prompt, str]] = []
     columns: list[str] | None = None
-    for row_no, row, error in read_rows(path):
+    for row_no, row, error in rows:
         report.rows += 1
         try:
             if error is not None:
@@ -278,9 +332,38 @@ def load_file_split(cfg: Any, split: str, tokenizer: Any = None) -> tuple[list[d
         except BadRow as bad:
             report.skip(row_no, bad, cfg.report_bad_rows)
             continue
-        rows.append((row_no, prompt, answer))
+        usable.append((row_no, prompt, answer))
+    return usable, columns
+
+
+def check_files(cfg: Any, splits: tuple[str, ...] = SPLITS) -> None:
+    """Before anything loads (`rlcli train`, `rlcli eval`): each file `splits` read exists, has the format its
+    suffix names, is not empty, and one of its first CHECK_ROWS rows gives an example through data.adapter and
+    the column keys. Raises the ConfigError the full load would raise, in a fraction of a second."""
+    import itertools
+
+    if cfg.source != "file":
+        return
+    for key in dict.fromkeys(split_key(cfg, split) for split in splits):
+        path = resolve_path(getattr(cfg, key.removeprefix("data.")), key)
+        report = LoadReport(split="check", source=str(path))
+        usable, columns = _adapted(cfg, report, itertools.islice(_keyed_rows(path, key), CHECK_ROWS))
+        if not usable:
+            among = f"the first {report.rows}" if report.rows == CHECK_ROWS else ""
+            raise _no_usable_row(path, cfg, report, columns, key, among)
+
+
+def load_file_split(cfg: Any, split: str, tokenizer: Any = None) -> tuple[list[dict[str, str]], LoadReport]:
+    """Examples of `split` from data.train_path / data.eval_path, and the report of the load."""
+    key = split_key(cfg, split)
+    held_out = cfg.eval_path is None
+    path = resolve_path(getattr(cfg, key.removeprefix("data.")), key)
+    report = LoadReport(split=split, source=str(path))
+    chat = use_chat_template(cfg.chat, tokenizer)
+
+    rows, columns = _adapted(cfg, report, _keyed_rows(path, key))
     if not rows:
-        raise _no_usable_row(path, cfg, report, columns)
+        raise _no_usable_row(path, cfg, report, columns, key)
 
     if held_out:
         rows, report.held_out = _hold_out(rows, split, cfg.eval_fraction, path)
@@ -321,8 +404,8 @@ def load_file_split(cfg: Any, split: str, tokenizer: Any = None) -> tuple[list[d
     report.kept = len(examples)
     if not examples:
         longest = max(n for _, n in report.first_too_long) if report.first_too_long else 0
-        raise ValueError(
-            f"{path}: all {report.too_long} usable prompts of the {split} split are longer than "
+        raise ConfigError(
+            f"{key}={path}: all {report.too_long} usable prompts of the {split} split are longer than "
             f"data.max_prompt_len={cfg.max_prompt_len} tokens (first ones up to {longest}); raise "
             "data.max_prompt_len (prompts are dropped, never cut)"
         )

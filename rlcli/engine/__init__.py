@@ -9,6 +9,7 @@ same gradient however the mini-batch is split into micro-batches and ranks (docs
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -26,6 +27,32 @@ def init_distributed(hw: Any) -> None:
 
     Every collective of the group fails after hw.collective_timeout_s seconds without its peers (a dead
     or stuck rank), so no rank ever waits forever."""
+    if hw.device == "cpu":  # else DeepSpeed looks for a GPU at import and warns, every run, that it fell back to the CPU
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    with quiet_build_probes():
+        _join(hw)
+
+
+@contextmanager
+def quiet_build_probes() -> Iterator[None]:
+    """Drop the compiler command lines DeepSpeed's op-compatibility probe echoes. The first read of
+    `deepspeed.ops.__compatible_ops__` (ours below, or DeepSpeed's when it considers its shared-memory all-reduce)
+    asks every op builder whether it could build; async_io's answer compiles and links a test program against
+    libaio, and distutils logs each `gcc ...` command on the root logger at INFO, which Hydra's job logging prints
+    on every run. Only those INFO records of distutils' are dropped: the probe, its answers, and every warning and
+    error are unchanged."""
+    def not_an_echo(record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or "distutils" not in record.pathname
+
+    root = logging.getLogger()  # distutils logs on the root logger itself, so a filter there sees only its records
+    root.addFilter(not_an_echo)
+    try:
+        yield
+    finally:
+        root.removeFilter(not_an_echo)
+
+
+def _join(hw: Any) -> None:
     import deepspeed
     import deepspeed.ops
 
@@ -285,7 +312,8 @@ def full_weights(module: torch.nn.Module, tied: bool = True) -> Iterator[tuple[s
     """(name, tensor) over the module's whole state dict, on every rank, one tensor at a time. Under ZeRO-3
     each parameter is gathered only while it is yielded: use or copy it before taking the next. A peft LoRA
     model yields its base weights with the adapters merged in (W + scale * B @ A) under the base model's own
-    names, computed aside (the model is unchanged). A tied weight comes under each of its names (vLLM's
+    names, computed aside (the model is unchanged), and a module peft trains whole (modules_to_save: a reward
+    model's head) as its trained copy under its own name. A tied weight comes under each of its names (vLLM's
     in-place reload needs lm_head.weight even when it is the input embedding), or with `tied=False` under
     its first name only (a checkpoint: transformers re-ties it on load). All ranks iterate it to the end
     together."""
@@ -301,10 +329,14 @@ def full_weights(module: torch.nn.Module, tied: bool = True) -> Iterator[tuple[s
         delta = {name: m.get_delta_weight(m.active_adapters[0])
                  for name, m in base.named_modules() if isinstance(m, LoraLayer)}
         for key, value in entries(base.state_dict()):
-            if "lora_" not in key:
-                layer, _, leaf = key.rpartition(".base_layer.")
-                merged = value + delta[layer] if layer in delta and leaf == "weight" else value
-                yield (f"{layer}.{leaf}" if layer else key), merged.detach()
+            if "lora_" in key or ".original_module." in key:  # peft's frozen copy of a module it trains whole
+                continue
+            if ".modules_to_save." in key:  # the trained copy (a reward model's head: task_type SEQ_CLS)
+                owner, _, rest = key.partition(".modules_to_save.")
+                key = f"{owner}.{rest.partition('.')[2]}"  # drop the adapter's name
+            layer, _, leaf = key.rpartition(".base_layer.")
+            merged = value + delta[layer] if layer in delta and leaf == "weight" else value
+            yield (f"{layer}.{leaf}" if layer else key), merged.detach()
     elif not is_partitioned(module):  # ZeRO 0-2
         yield from ((n, t.detach()) for n, t in entries(module.state_dict()))
     else:

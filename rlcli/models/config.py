@@ -3,6 +3,7 @@ vocabulary, importable without torch: composing and validating a config never im
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,3 +108,62 @@ def validate_tiny(cfg: Any) -> None:
     if cfg.hidden_size % cfg.num_heads:
         raise ConfigError(f"model.tiny.hidden_size={cfg.hidden_size} must be divisible by "
                           f"model.tiny.num_heads={cfg.num_heads} (head dim = hidden_size / num_heads)")
+
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+"""What a Hugging Face Hub model id looks like (`org/name`): verl and TRL users pass one as the model path."""
+
+
+def download_hint(hub_id: str) -> str:
+    """How to get a hub model onto this machine, for messages: rlcli never downloads."""
+    local = f"models/{hub_id.rsplit('/', 1)[-1].lower()}"
+    return f"`hf download {hub_id} --local-dir {local}` on a machine with network, copy {local} here, then model.path={local}"
+
+
+def check_model_path(model_cfg: Any) -> None:
+    """`rlcli train` and `rlcli eval`, before anything loads (not `rlcli plan`, which needs no weights): model.path
+    and model.tokenizer_path name a local directory (model.path: one holding config.json), or a hub id whose files
+    are already in the local Hugging Face cache (runs are offline). Raises ConfigError naming the key and the fix."""
+    import os
+
+    for key in ("path", "tokenizer_path"):
+        value = getattr(model_cfg, key)
+        if value is None:
+            continue
+        local = os.path.expanduser(value)
+        if os.path.isdir(local):
+            if key == "path" and not os.path.isfile(os.path.join(local, "config.json")):
+                held = sorted(os.listdir(local))
+                shown = ", ".join(held[:6]) + (", ..." if len(held) > 6 else "") if held else "nothing"
+                raise ConfigError(
+                    f"model.path={value} has no config.json (it holds {shown}): point model.path at a Hugging Face "
+                    "model directory, the one holding config.json and the weights (*.safetensors), as written by "
+                    "save_pretrained or `hf download`; a GGUF file goes in model.gguf_file"
+                )
+            continue
+        if os.path.exists(local):
+            gguf = " (a GGUF file: model.gguf_file=" + value + " model.path=null)" if value.endswith(".gguf") else ""
+            raise ConfigError(f"model.{key}={value} is a file, not a model directory{gguf}: point it at the directory "
+                              "holding config.json and the weights")
+        # org/name is a hub id, unless org is a local folder (then it is a mistyped path)
+        if HUB_ID.fullmatch(value) and not os.path.isdir(os.path.expanduser(value.split("/")[0])):
+            if _in_hub_cache(value, ("config.json",) if key == "path" else ("tokenizer_config.json", "tokenizer.json")):
+                continue  # transformers loads it from the cache, offline
+            raise ConfigError(
+                f"model.{key}={value} is neither a local directory nor a model in the Hugging Face cache, and rlcli "
+                f"runs offline (it downloads nothing): download the model first, {download_hint(value)}"
+            )
+        raise ConfigError(f"model.{key}={value}: no such directory; point it at a local model directory (the one "
+                          "holding config.json), e.g. one written by save_pretrained")
+
+
+def _in_hub_cache(hub_id: str, files: tuple[str, ...]) -> bool:
+    """One of the hub model's `files` is in the local Hugging Face cache (HF_HUB_CACHE / HF_HOME); no network."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return False
+    try:
+        return any(isinstance(try_to_load_from_cache(hub_id, name), str) for name in files)
+    except Exception:  # an id huggingface_hub refuses (HFValidationError) is not in the cache either
+        return False

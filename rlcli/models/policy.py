@@ -95,14 +95,15 @@ def load_policy(model_cfg: Any, path: str) -> tuple[torch.nn.Module, Any]:
     return model, tokenizer
 
 
-def with_lora(model: torch.nn.Module, lora: Any) -> torch.nn.Module:
-    """`model` wrapped by peft with LoRA adapters on `lora.target_modules`; the base weights are frozen."""
+def with_lora(model: torch.nn.Module, lora: Any, task_type: str = "CAUSAL_LM") -> torch.nn.Module:
+    """`model` wrapped by peft with LoRA adapters on `lora.target_modules`; the base weights are frozen. peft's
+    `task_type` SEQ_CLS (a reward model) also trains the classifier head (peft's modules_to_save)."""
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as e:
         raise ImportError("model.lora.r > 0 needs peft: pip install 'rlcli[lora]'") from e
     config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                        target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
+                        target_modules=list(lora.target_modules), task_type=task_type)
     return get_peft_model(model, config)
 
 

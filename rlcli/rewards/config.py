@@ -111,3 +111,24 @@ def validate(cfg: Any, prefix: str = "reward") -> None:
             f"{prefix}.correct_score={cfg.correct_score} must exceed "
             f"{prefix}.incorrect_score={cfg.incorrect_score}"
         )
+
+
+def check_importable(cfg: Any, prefix: str = "reward") -> None:
+    """`rlcli train` and `rlcli eval`, before anything loads: every reward.custom function imports here and is
+    callable, so a typo fails in a second rather than in the reward workers after the model loaded. The workers
+    import it from the same sys.path (rlcli/rewards/pool.py), which holds the working folder (rlcli.cli)."""
+    from rlcli.rewards.functions import import_dotted
+
+    for name, path in dict(cfg.custom).items():
+        try:
+            fn = import_dotted(path)
+        except Exception as e:  # ImportError, AttributeError, or whatever the user's module raises on import
+            where = (f" from the working folder (a file ./{path.rpartition('.')[0].replace('.', '/')}.py) or an "
+                     "installed package" if isinstance(e, ModuleNotFoundError) else "")
+            raise ConfigError(
+                f"{prefix}.custom.{name}={path!r} cannot be imported ({type(e).__name__}: {e}): name a function "
+                f"fn(response, ground_truth) -> float as package.module.function, importable{where}"
+            ) from None
+        if not callable(fn):
+            raise ConfigError(f"{prefix}.custom.{name}={path!r} is a {type(fn).__name__}, not a function "
+                              "fn(response, ground_truth) -> float")

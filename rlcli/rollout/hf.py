@@ -129,13 +129,14 @@ def sample_tokens(model: torch.nn.Module, tokenizer: Any, prompt_ids: Tensor, pr
     device = next(model.parameters()).device
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     config = sampling_config(max_new_tokens, temperature, top_p, top_k, eos, pad)
+    # In the config, not beside it: transformers deprecates generation arguments passed with a generation_config
+    config.update(output_scores=with_logprobs, return_dict_in_generate=True)
     chunks, logp_chunks = [], []
     with eval_mode(model), own_generation_config(model):
         for s in range(0, prompt_ids.shape[0], batch_size):
             ids = prompt_ids[s : s + batch_size].to(device)
             am = prompt_mask[s : s + batch_size].to(device)
-            out = model.generate(input_ids=ids, attention_mask=am, generation_config=config,
-                                 output_scores=with_logprobs, return_dict_in_generate=True, synced_gpus=synced_gpus)
+            out = model.generate(input_ids=ids, attention_mask=am, generation_config=config, synced_gpus=synced_gpus)
             new = out.sequences[:, ids.shape[1] :]  # [b, t]
             chunks.append(new.cpu())
             if with_logprobs:

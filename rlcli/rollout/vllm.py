@@ -18,11 +18,16 @@ order, so each `generate` gathers the group's prompts and per-trajectory seeds, 
 and each keeps its own rows: the trainer's split of prompts over ranks is unchanged, and a trajectory's tokens
 depend on its seed, not on k. A weight push hands every member the full tensors; vLLM's loaders keep each
 member's shard.
+
+Logging: vLLM's INFO lines (about 40 at start-up, 3 per weight push) are off unless VLLM_LOGGING_LEVEL is set; its
+warnings stay, except one false alarm per push (`quiet_vllm`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -31,6 +36,32 @@ from rlcli.batch import RolloutBatch
 from rlcli.engine.collectives import consecutive_groups, gather_objects, group_rank
 from rlcli.rollout.hf import encode_prompts, rollout_batch
 from rlcli.rollout.sampling import Sampling
+
+
+def quiet_vllm() -> None:
+    """vLLM's logging at WARNING, unless the user set VLLM_LOGGING_LEVEL (before vLLM is imported, so its import-time
+    lines go too), and without two false alarms:
+    - after every in-place weight reload, "RotaryEmbedding: Failed to load weights". vLLM's reload expects every
+      tensor of a layer to arrive, buffers included, and RotaryEmbedding's only tensor is `cos_sin_cache`, a
+      non-persistent buffer vLLM computes from the config's rope_theta: no checkpoint holds it (transformers'
+      `rotary_emb.inv_freq` is not in a state dict either), and vLLM's Llama/Qwen2 `load_weights` would not take it.
+      Finding nothing loaded, vLLM puts the layer's original tensors back (`_place_kernel_tensors`), which for this
+      layer is exactly right: greedy output equals HF `generate` after every push (tests/test_vllm.py). The warning
+      for any other layer is kept: that one would mean weights went missing.
+    - vLLM's own use of `torch.distributed.reduce_op`, which torch deprecates (a FutureWarning at import)."""
+    if "VLLM_LOGGING_LEVEL" not in os.environ:
+        os.environ["VLLM_LOGGING_LEVEL"] = "WARNING"
+        logging.getLogger("vllm").setLevel(logging.WARNING)  # if vLLM was imported (and configured) already
+    reload = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if not any(f is _rotary_false_alarm for f in reload.filters):
+        reload.addFilter(_rotary_false_alarm)
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.reduce_op` is deprecated", category=FutureWarning)
+
+
+def _rotary_false_alarm(record: logging.LogRecord) -> bool:
+    """False for vLLM's "<layer>: Failed to load weights" about a rotary embedding (quiet_vllm)."""
+    return not (record.msg == "%s: Failed to load weights" and isinstance(record.args, tuple)
+                and "RotaryEmbedding" in str(record.args[:1]))
 
 
 class VLLMEngine:
@@ -44,6 +75,7 @@ class VLLMEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if cfg.hw.device == "cpu":
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(r.cpu_kv_cache_gb)
+        quiet_vllm()
         try:
             from vllm import LLM
         except ImportError as e:

@@ -1,0 +1,306 @@
+"""`rlcli rm`: train a Bradley-Terry reward model from preference pairs, in the skeleton of every rlcli job:
+
+    setup   the model as a scalar-head sequence classifier (rlcli.rm.model), a DeepSpeed engine (rlcli.engine:
+            ZeRO 0-3, bf16, LoRA as for the policy), the pairs (rlcli.rm.pairs), a resumed checkpoint
+    train   per step: rm.batch_size pairs, each micro-batch one forward of its chosen and rejected sequences,
+            bradley_terry_loss normalised over the whole batch, one optimizer step; held-out pair accuracy before,
+            every rm.eval_every steps, and after; checkpoints (rlcli.checkpoint) every checkpoint.every steps and on
+            SIGTERM/SIGINT
+    save    run_dir/reward_model (AutoModelForSequenceClassification.from_pretrained loads it), result.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+from tqdm.auto import tqdm
+
+from rlcli import checkpoint as ckpt
+from rlcli import engine as eng
+from rlcli.algos.functional import bradley_terry_loss, preference_metrics
+from rlcli.data import PromptStream
+from rlcli.engine.collectives import all_reduce, barrier, rank_zero_first
+from rlcli.metrics import MetricsLogger, RunLog, _fixed, _significant, peak_mem_gb
+from rlcli.models import resolve_model_path
+from rlcli.rm.model import encode, load_reward_model, rewards, score
+from rlcli.rm.pairs import Pair, load_pairs
+from rlcli.state import NonFiniteTraining, rng_state, seed_everything, set_rng_state
+
+TAG = "reward_model"
+"""The engine's DeepSpeed checkpoint tag, and the final model's directory under run_dir."""
+
+STEP_LINE = (
+    ("rm/loss", "loss", _fixed(4)), ("rm/accuracy", "acc", _fixed(3)), ("rm/margin", "margin", _fixed(3)),
+    ("rm/grad_norm", "grad_norm", _significant(spec="#.3g")), ("rm/lr", "lr", _significant()),
+    ("timing_s/step", "s/step", _fixed(2)),
+)
+
+
+def step_line(metrics: dict[str, float], step: int) -> str:
+    """`step 3  loss=0.6931  acc=0.500  margin=0.000  ...`: the metrics a step line shows."""
+    return "  ".join([f"step {step}"] + [f"{label}={fmt(metrics[k])}" for k, label, fmt in STEP_LINE if k in metrics])
+
+
+@dataclass
+class Progress:
+    """What the loop carries from step to step, saved and restored whole (a checkpoint cannot forget a field)."""
+
+    pairs: PromptStream
+    """This rank's position in the seeded, epoch-shuffled order of the training pairs."""
+    step: int = 0
+    """Optimizer steps done."""
+    train_seconds: float = 0.0
+    """Seconds spent in training steps (not evaluation)."""
+    skipped_in_a_row: int = 0
+    """Steps in a row whose optimizer step was skipped (non-finite gradient norm)."""
+    result: dict[str, Any] = field(default_factory=dict)
+    """What the run reports at the end (held-out pair accuracy before training, ...)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "train_seconds": self.train_seconds, "skipped_in_a_row": self.skipped_in_a_row,
+                "result": self.result, "pairs": self.pairs.state_dict(), "rng": rng_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step, self.train_seconds, self.result = state["step"], state["train_seconds"], state["result"]
+        self.skipped_in_a_row = state["skipped_in_a_row"]
+        self.pairs.load_state_dict(state["pairs"])
+        set_rng_state(state["rng"])  # last: building the trainer drew from the RNGs too
+
+
+class RewardModelTrainer:
+    def __init__(self, cfg: Any):
+        self.cfg, self.started = cfg, time.perf_counter()
+        eng.init_distributed(cfg.hw)
+        self.rank, self.world = eng.rank(), eng.world_size()
+        self.main = self.rank == 0
+        self.say = RunLog(cfg.run_dir) if self.main else None
+        seed_everything(cfg.seed)
+        self.model_path, self.model_source = rank_zero_first(lambda: resolve_model_path(cfg.model, cfg.data))
+        with eng.sharded_construction(cfg.hw, cfg.optim):  # ZeRO-3: each rank loads only its partition
+            model, self.tokenizer, self.new_head = load_reward_model(cfg.model, self.model_path, cfg.seed)
+        if not eng.is_partitioned(model):
+            model.to(eng.device(cfg.hw))
+        self.engine = eng.Engine(model, cfg.hw, cfg.optim, cfg.steps, lr=cfg.rm.lr or cfg.optim.lr)
+        self.train_pairs, self.train_report = load_pairs(cfg, "train", self.tokenizer)
+        self.eval_pairs, self.eval_report = load_pairs(cfg, "eval", self.tokenizer)
+        self.state = Progress(PromptStream(self.train_pairs, cfg.seed, True, self.rank, self.world))
+        self.resumed_from = ckpt.resolve(cfg.resume, cfg.run_dir)
+        meta = self.restore(self.resumed_from) if self.resumed_from else {}
+        self.logger = MetricsLogger(
+            cfg.logger, cfg.run_dir, OmegaConf.to_container(cfg, resolve=True), enabled=self.main,
+            rows_from=os.path.join(self.resumed_from, "metrics.jsonl") if self.resumed_from else None,
+            resume_step=meta.get("step"), run_ids=meta.get("logger_ids"),
+        )
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> dict[str, Any]:
+        cfg, s = self.cfg, self.state
+        first = s.step
+        self.print(self.summary())
+        with ckpt.StopSignals(announce=ckpt.to_stderr if self.main else None) as signals:
+            if s.step:
+                self.print(f"resumed from {self.resumed_from}: {s.step} of {cfg.steps} steps done")
+            else:
+                s.result["eval_before"] = self.evaluate()
+                self.print(f"held-out pair accuracy before training: {s.result['eval_before']['eval/pair_accuracy']:.3f}")
+                self.logger.log({f"{k}_before": v for k, v in s.result["eval_before"].items()}, step=0)
+            bar = tqdm(range(s.step + 1, cfg.steps + 1), desc="rm", initial=s.step, total=cfg.steps,
+                       disable=not self.main, dynamic_ncols=True)
+            for step in bar:
+                metrics = self.train_step()
+                s.step = step
+                self.check_finite(metrics)
+                if cfg.rm.eval_every and step % cfg.rm.eval_every == 0 and step < cfg.steps:
+                    metrics.update(self.evaluate())
+                self.logger.log(metrics, step)
+                bar.set_postfix(loss=f"{metrics['rm/loss']:.3f}", acc=f"{metrics['rm/accuracy']:.2f}")
+                if step % cfg.logger.log_every == 0:
+                    self.print(step_line(metrics, step))
+                signum = int(all_reduce(torch.tensor(signals.signum), "max").item())
+                every, path = cfg.checkpoint.every, None
+                if cfg.save and (signum or (every and (step % every == 0 or step == cfg.steps))):
+                    path = self.save_checkpoint()
+                if signum:
+                    self.stop(signum, path)
+        s.result["train_seconds"] = s.train_seconds
+        s.result["eval_after"] = self.evaluate()
+        self.logger.log({f"{k}_after": v for k, v in s.result["eval_after"].items()}, step=cfg.steps)
+        self.print(f"held-out pair accuracy after training: {s.result['eval_after']['eval/pair_accuracy']:.3f}"
+                   + (f" (before: {s.result['eval_before']['eval/pair_accuracy']:.3f})" if "eval_before" in s.result
+                      else ""))
+        if cfg.save:  # all ranks: under ZeRO-3 the weights are gathered from every rank's partition
+            path = os.path.join(cfg.run_dir, TAG)
+            eng.save_policy(self.engine.module, self.tokenizer, path)  # LoRA merged, the head as trained
+            s.result["reward_model_path"] = path
+            self.print(f"saved reward model to {path} (AutoModelForSequenceClassification.from_pretrained loads it)")
+        if self.main:
+            with open(os.path.join(cfg.run_dir, "result.json"), "w") as f:
+                json.dump(s.result, f, indent=2)
+        self.print(self.end_summary(cfg.steps - first))
+        self.close()
+        return s.result
+
+    def train_step(self) -> dict[str, float]:
+        """One optimizer step on rm.batch_size pairs (this rank's share), in micro-batches of hw.micro_batch
+        sequences; the loss of every micro-batch is divided by the pairs of the whole batch, so accumulating them
+        gives the gradient of the batch mean however it is split."""
+        cfg, t0 = self.cfg, time.perf_counter()
+        batch = self.state.pairs.take(cfg.rm.batch_size // self.world)
+        per_micro = max(1, cfg.hw.micro_batch // 2)
+        parts = [batch[i : i + per_micro] for i in range(0, len(batch), per_micro)]
+        self.engine.train()
+        chosen, rejected, loss_sum = [], [], 0.0
+        for i, part in enumerate(parts):
+            r_c, r_r = self.pair_rewards(part)  # [n] each, in the graph
+            margin = torch.tensor([p["margin"] for p in part], dtype=r_c.dtype, device=r_c.device)  # [n]
+            loss = bradley_terry_loss(r_c, r_r, margin if cfg.rm.margin_key else None, cfg.rm.center_coef,
+                                      num_pairs=cfg.rm.batch_size)
+            self.engine.backward(loss, last=i == len(parts) - 1)
+            loss_sum += loss.item()
+            chosen.append(r_c.detach().cpu())
+            rejected.append(r_r.detach().cpu())
+        result = self.engine.step()
+        metrics = self.reduced(torch.cat(chosen), torch.cat(rejected))
+        self.state.train_seconds += time.perf_counter() - t0
+        return {
+            "rm/loss": float(all_reduce(torch.tensor(loss_sum))), **metrics, "rm/grad_norm": result.grad_norm,
+            "rm/lr": self.engine.lr(), "rm/skipped_steps": float(not result.applied),
+            "timing_s/step": time.perf_counter() - t0, "perf/peak_mem_gb": peak_mem_gb(),
+        }
+
+    def pair_rewards(self, pairs: list[Pair]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(r_chosen [n], r_rejected [n]) of `pairs` from one forward over their 2n sequences, as `score` reads them."""
+        prompts = [p["prompt"] for p in pairs]
+        enc = encode(self.tokenizer, prompts * 2, [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs])
+        r = rewards(self.engine.module, enc["input_ids"], enc["attention_mask"])  # [2n]
+        return r[: len(pairs)], r[len(pairs) :]
+
+    @staticmethod
+    def reduced(r_chosen: torch.Tensor, r_rejected: torch.Tensor, prefix: str = "rm/") -> dict[str, float]:
+        """preference_metrics over every rank's pairs (a weighted mean of the ranks' means)."""
+        n = torch.tensor(float(len(r_chosen)))
+        local = preference_metrics(r_chosen, r_rejected)
+        names = sorted(local)
+        sums = all_reduce(torch.stack([local[k] * n for k in names] + [n]))
+        return {f"{prefix}{k}": float(v / sums[-1].clamp(min=1)) for k, v in zip(names, sums[:-1])}
+
+    def check_finite(self, metrics: dict[str, float]) -> None:
+        s, limit = self.state, self.cfg.optim.max_skipped_steps
+        s.skipped_in_a_row = s.skipped_in_a_row + 1 if metrics["rm/skipped_steps"] else 0
+        if s.skipped_in_a_row >= limit:
+            raise NonFiniteTraining(
+                f"step {s.step}: {s.skipped_in_a_row} steps in a row had a non-finite gradient norm "
+                f"(optim.max_skipped_steps={limit}), so nothing was trained. Lower rm.lr (or optim.lr), check "
+                "rm.margin_key's values, or try hw.precision=fp32")
+
+    # ------------------------------------------------------------------ evaluation, checkpoints
+    def evaluate(self) -> dict[str, float]:
+        """Held-out pair accuracy (r_c > r_r; a tie is wrong) and margin, scored with `score`, each rank its shard."""
+        shard = self.eval_pairs[self.rank :: self.world]
+        batch = max(1, self.cfg.hw.micro_batch)
+        prompts = [p["prompt"] for p in shard]
+        r_c = score(self.engine.module, self.tokenizer, prompts, [p["chosen"] for p in shard], batch)
+        r_r = score(self.engine.module, self.tokenizer, prompts, [p["rejected"] for p in shard], batch)
+        m = self.reduced(r_c, r_r, prefix="eval/pair_")
+        return {"eval/pair_accuracy": m["eval/pair_accuracy"], "eval/pair_margin": m["eval/pair_margin"]}
+
+    def save_checkpoint(self) -> str:
+        """The engine (weights, optimizer moments, LR schedule), every rank's Progress, the metrics so far, the
+        frozen config (layout: rlcli.checkpoint). All ranks call it."""
+        cfg, step, t0 = self.cfg, self.state.step, time.perf_counter()
+        tmp = ckpt.staging(cfg.run_dir, step, self.rank, barrier)
+        self.engine.save(tmp, TAG)
+        torch.save(self.state.state_dict(), os.path.join(tmp, f"rank_{self.rank}.pt"))
+        if self.main:
+            self.logger.snapshot(os.path.join(tmp, "metrics.jsonl"))
+            ckpt.write_run_files(tmp, cfg, step, self.world, self.logger.run_ids)
+        path = ckpt.commit(cfg.run_dir, step, cfg.checkpoint.keep_last, self.rank, barrier)
+        self.print(f"checkpoint {path} ({time.perf_counter() - t0:.1f} s)")
+        return path
+
+    def restore(self, path: str) -> dict[str, Any]:
+        """Load the checkpoint at `path` into this freshly built trainer. -> its meta.json"""
+        meta = ckpt.read_meta(path)
+        if meta["world_size"] != self.world:
+            raise ValueError(f"{path} was written by {meta['world_size']} ranks, this run has {self.world}")
+        self.engine.load(path, TAG)
+        self.state.load_state_dict(torch.load(os.path.join(path, f"rank_{self.rank}.pt"), weights_only=False))
+        return meta if meta["run_dir"] == self.cfg.run_dir else {**meta, "logger_ids": {}}
+
+    def stop(self, signum: int, path: str | None) -> None:
+        import signal
+
+        name = signal.Signals(signum).name
+        self.print(f"stopped by {name} after step {self.state.step}; "
+                   + (f"checkpoint: {path}\ncontinue with:\n  {ckpt.resume_command(self.cfg.run_dir, 'rm')}"
+                      if path else "save=false: no checkpoint written"))
+        self.close()
+        raise ckpt.Stopped(128 + signum)
+
+    # ------------------------------------------------------------------ what it prints
+    def summary(self) -> str:
+        cfg, rm, hw = self.cfg, self.cfg.rm, self.cfg.hw
+        module = self.engine.module
+        n_params = sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
+        n_trainable = sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters() if p.requires_grad)
+        per_micro = 2 * max(1, hw.micro_batch // 2)
+        d = cfg.data
+        digits = f"{d.min_digits}" + (f"-{d.max_digits}" if d.max_digits != d.min_digits else "")
+        loss = "-log sigmoid(r_c - r_r" + (f" - margin[{rm.margin_key}]" if rm.margin_key else "") + ")" + (
+            f" + {rm.center_coef} (r_c + r_r)^2" if rm.center_coef else "")
+        lines = [
+            "rlcli rm",
+            f"  run dir        {cfg.run_dir}",
+            f"  model          {cfg.model.name}: {self.model_path} ({self.model_source}) as "
+            f"{type(getattr(module, 'get_base_model', lambda: module)()).__name__}, "
+            + ("a new scalar head (seeded by `seed`)" if self.new_head else "its trained scalar head"),
+            f"  parameters     {n_params / 1e6:.2f}M, {n_trainable / 1e6:.2f}M trainable"
+            + (f" (LoRA r={cfg.model.lora.r} + the head)" if cfg.model.lora.r else "")
+            + f", dtype {cfg.model.dtype}, precision {hw.precision}",
+            f"  hardware       {hw.name}: device {hw.device}, world size {self.world}, ZeRO-{hw.zero_stage}",
+            f"  objective      Bradley-Terry {loss}, reward read at the last non-padding token",
+            f"  pairs          {rm.name}: {len(self.train_pairs)} train, {len(self.eval_pairs)} held out"
+            + (f" ({digits}-digit arith)" if rm.source == "arith" else "")
+            + f"; {self.train_report.summary()}; {self.eval_report.summary()}",
+            f"  batch          {rm.batch_size} pairs per step ({rm.batch_size // self.world} per rank) = "
+            f"{2 * rm.batch_size} sequences, micro-batches of <= {per_micro} sequences (hw.micro_batch)",
+            f"  schedule       {cfg.steps} steps ({cfg.steps * rm.batch_size / max(len(self.train_pairs), 1):.2f} "
+            f"epochs), lr {rm.lr or cfg.optim.lr} ({cfg.optim.scheduler}, warmup {cfg.optim.warmup_steps})",
+            "  evaluation     held-out pair accuracy before and after training"
+            + (f", every {rm.eval_every} steps" if rm.eval_every else ""),
+            f"  writes         {cfg.run_dir}/{TAG}" + (" (save=false: nothing)" if not cfg.save else "")
+            + ", result.json, metrics.jsonl"
+            + (f"; checkpoints every {cfg.checkpoint.every} steps" if cfg.save and cfg.checkpoint.every else "")
+            + (f"; resuming from {self.resumed_from} (step {self.state.step})" if self.resumed_from else ""),
+        ]
+        return "\n".join(lines)
+
+    def end_summary(self, steps: int) -> str:
+        from rlcli.trainer import duration
+
+        run, r = self.cfg.run_dir, self.state.result
+        lines = [f"done: {steps} steps, {duration(time.perf_counter() - self.started)} from loading the model to the "
+                 f"end ({duration(self.state.train_seconds)} in training steps); results in {run}",
+                 "  result.json     held-out pair accuracy before and after training",
+                 "  metrics.jsonl   every metric of every step (docs/metrics.md)"]
+        if "reward_model_path" in r:
+            lines.append(f"  {TAG}/   the reward model (AutoModelForSequenceClassification.from_pretrained loads it)")
+        if done := ckpt.done_steps(run):
+            lines.append(f"  checkpoints/    step_{done[-1]} (a larger steps=, resume=auto and hydra.run.dir={run} "
+                         "train on from it)")
+        return "\n".join(lines + [f"  {note}" for note in self.logger.notes])
+
+    def close(self) -> None:
+        self.logger.close()
+        if self.say is not None:
+            self.say.close()
+
+    def print(self, msg: str) -> None:
+        if self.say is not None:
+            self.say(msg)

@@ -1,0 +1,51 @@
+"""What a run prints: the step line's fields and formats (golden strings), and the run log (run_dir/cli.log) that
+holds what the terminal showed. The end-to-end checks (a real run's cli.log, its end summary, no noise) are in
+tests/test_train.py::test_the_run_log_holds_what_the_terminal_showed_and_nothing_is_noise."""
+
+import logging
+
+from rlcli.metrics import RunLog, headline
+
+
+def test_the_step_line_shows_kl_lr_throughput_and_memory_and_prints_rounding_noise_as_zero():
+    """Losses in fixed point (a pg_loss of -1.1e-08 is rounding noise: 0.0000, no minus sign), a KL with three
+    significant digits (its scale is the point) and below 1e-6 as 0, the KL to the reference whether it sits in the
+    loss (actor/kl_loss) or in the reward (actor/reward_kl), tokens/s, peak memory; a metric the step did not log, or
+    a non-finite one, is left out."""
+    grpo = {"acc/mean": 0.25, "reward/mean": -0.4375, "response_length/mean": 15.0625, "actor/pg_loss": -1.1e-08,
+            "actor/kl_loss": 0.000123456, "actor/ppo_kl": -3e-10, "actor/entropy": 4.4991, "actor/grad_norm": 0.99968,
+            "actor/lr": 1e-3, "perf/tokens_per_s": 1808.6, "perf/peak_mem_gb": 0.6597, "timing_s/step": 0.3849,
+            "adv/std": 0.6}
+    assert headline(grpo, 2) == ("step 2  acc=0.250  reward=-0.438  len=15.1  pg_loss=0.0000  kl=0.000123  ppo_kl=0  "
+                                 "entropy=4.499  grad_norm=1.00  lr=0.001  tok/s=1809  mem=0.66GiB  s/step=0.38")
+    ppo = {"acc/mean": 1.0, "reward/mean": 0.5, "response_length/mean": 120.0, "actor/pg_loss": -0.01234,
+           "critic/vf_loss": 0.25, "actor/reward_kl": 0.0213, "actor/ppo_kl": 0.00042, "actor/entropy": 0.51,
+           "actor/grad_norm": float("nan"), "actor/lr": 5e-7, "perf/peak_mem_gb": 12.345, "timing_s/step": 61.5}
+    assert headline(ppo, 40) == ("step 40  acc=1.000  reward=0.500  len=120.0  pg_loss=-0.0123  vf_loss=0.2500  "
+                                 "kl=0.0213  ppo_kl=0.00042  entropy=0.510  lr=5e-07  mem=12.35GiB  s/step=61.50")
+
+
+def test_the_run_log_writes_through_hydras_job_log_once_or_its_own(tmp_path):
+    """Under `rlcli train` Hydra's root file handler writes run_dir/cli.log: the run log goes through it (one copy
+    of each line, in order with rlcli's log messages, never echoed a second time on the console); without it (a
+    torchrun worker, a Trainer built in code) the run log appends to run_dir/cli.log itself."""
+    hydra_run, own_run = tmp_path / "hydra", tmp_path / "own"
+    hydra_run.mkdir()
+    job_log = logging.FileHandler(hydra_run / "cli.log")
+    job_log.setFormatter(logging.Formatter("[%(name)s] %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(job_log)
+    try:
+        logging.getLogger("rlcli.data").warning("data[train] 20 examples")
+        say = RunLog(str(hydra_run))
+        say("step 1  acc=0.250\nsecond line")
+        say.close()
+    finally:
+        root.removeHandler(job_log)
+        job_log.close()
+    assert (hydra_run / "cli.log").read_text() == ("[rlcli.data] data[train] 20 examples\n"
+                                                    "[rlcli.trainer] step 1  acc=0.250\nsecond line\n")
+    say = RunLog(str(own_run))
+    say("held-out accuracy after training: 0.500")
+    say.close()
+    assert (own_run / "cli.log").read_text().endswith("][rlcli.trainer] held-out accuracy after training: 0.500\n")
