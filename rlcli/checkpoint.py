@@ -60,7 +60,7 @@ MANIFEST = "manifest.json"
 MAY_CHANGE = frozenset({
     "steps", "run_dir", "resume", "save", "data.report_bad_rows",
     "hw.micro_batch", "hw.max_tokens_per_micro_batch", "hw.logits_chunk", "hw.num_threads", "hw.shm_comm", "hw.master_port",
-    "hw.collective_timeout_s", "hw.shutdown_timeout_s", "rollout.gen_batch_size", "reward.num_workers",
+    "hw.collective_timeout_s", "hw.shutdown_timeout_s", "rollout.gen_batch_size", "reward.num_workers", "reward.rm.batch_size",
     "hw.device_memory_gb", "hw.check_memory",  # the memory check before training, not the run
     "hw.peak_tflops", "hw.memory_bandwidth_gbs", "hw.host_link_gbs",  # the plan's step-time estimate
     # how the vLLM engine holds memory and shards the model, not what it samples
@@ -239,7 +239,8 @@ def check_compatible(path: str, cfg: Any) -> None:
     ConfigError naming the keys and the fix."""
     from omegaconf import OmegaConf
 
-    from rlcli.config import units
+    from rlcli.config import Config, units
+    from rlcli.schema_doc import knobs
 
     saved = flatten(OmegaConf.to_container(OmegaConf.load(os.path.join(path, "config.yaml")), resolve=True))
     now = flatten(OmegaConf.to_container(cfg, resolve=True))
@@ -252,9 +253,17 @@ def check_compatible(path: str, cfg: Any) -> None:
             f"resume={path} was written by {meta['world_size']} training rank(s), this run has {world}: resume with "
             f"the checkpoint's {layout or 'hw.nproc'} (a checkpoint is not resharded), or start a new run"
         )
+    # A schema key on one side only was added or removed by an rlcli version between the two runs: said, not refused
+    # (the run continues with the key as configured now). Keys of open dicts (reward.weights.<name>) are the user's.
+    open_dicts = tuple(f"{k}." for k, _, default, _ in knobs(Config) if isinstance(default, dict))
+    versioned = sorted(k for k in saved.keys() ^ now.keys() if not k.startswith(open_dicts))
+    if versioned:
+        print(f"rlcli: note: resume={path} was written by another version of rlcli's config; keys on one side only, "
+              f"taken as configured now: {', '.join(versioned)}", file=sys.stderr, flush=True)
     differ = sorted(
         k for k in saved.keys() | now.keys()
         if saved.get(k) != now.get(k) and k not in MAY_CHANGE and not k.startswith(MAY_CHANGE_GROUPS)
+        and k not in versioned
     )
     if differ:
         shown = ", ".join(f"{k} ({saved.get(k)!r} in the checkpoint, {now.get(k)!r} now)" for k in differ)

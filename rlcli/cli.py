@@ -83,14 +83,16 @@ def _freeze(cfg: Any) -> str:
 def check_inputs(cfg: Any, splits: tuple[str, ...]) -> None:
     """What this machine must hold for `rlcli train` / `rlcli eval`, checked in about a second before anything
     loads (`rlcli plan` needs none of it): the model directory (or a cached hub id), the data files (format and
-    columns of their first rows), the reward.custom functions (importable). A ConfigError names the key."""
+    columns of their first rows), the reward.custom functions (importable), reward.rm.path (a reward model's
+    directory, with reward=rm). A ConfigError names the key."""
     from rlcli.data.loaders import check_files
     from rlcli.models.config import check_model_path
-    from rlcli.rewards.config import check_importable
+    from rlcli.rewards.config import check_importable, check_reward_model
 
     check_model_path(cfg.model)
     check_files(cfg.data, splits)
     check_importable(cfg.reward)
+    check_reward_model(cfg.reward)
 
 
 def train_job(cfg: Any) -> dict[str, Any] | None:

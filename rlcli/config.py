@@ -26,7 +26,7 @@ from rlcli.data.config import DataConfig
 from rlcli.loggers import check_installed
 from rlcli.models.config import CriticConfig, TinyModelConfig, WarmStartConfig
 from rlcli.names import ATTN_IMPLEMENTATIONS, MODEL_DTYPES, ROLLOUT_ENGINES, SCHEDULERS, TOOL_FORMATS
-from rlcli.rewards.config import RewardConfig, group_base
+from rlcli.rewards.config import MODEL_PART, RewardConfig, group_base
 from rlcli.rm.config import RMConfig
 from rlcli.schema import ConfigError, check_known_keys, check_ranges, keyword_field, rng
 
@@ -551,6 +551,10 @@ def validate(cfg: DictConfig | Any) -> None:
     r, hw, a = cfg.rollout, cfg.hw, cfg.algo
     validate_async(cfg)
     validate_env(cfg)
+    if MODEL_PART in cfg.reward.weights and cfg.env.name is not None:
+        raise ConfigError(f"reward.weights.{MODEL_PART} scores single-turn responses, but env.name={cfg.env.name} makes "
+                          "multi-turn rows (tool output between turns, which no reward model here was trained to "
+                          f"read): drop {MODEL_PART} from reward (reward=math_verify), or env.name=null")
     p, world = units(cfg).P, trainer_ranks(cfg)
     ranks = f"hw.nproc x hw.nnodes = {world} ranks" if hw.nnodes > 1 else f"hw.nproc={hw.nproc}"
     if rollout_ranks(cfg):

@@ -130,6 +130,16 @@ class MetricsLogger:
     run wrote after it are dropped), the checkpoint's `resume_step` and its `run_ids` (each backend's run id, from
     meta.json): each backend continues its run from there without a step written twice or missing."""
 
+    @classmethod
+    def of_run(cls, cfg: Any, resumed_from: str | None, meta: dict[str, Any], enabled: bool) -> MetricsLogger:
+        """The logger of a run with config `cfg` (a trainer's; `cfg.logger` says where to): a fresh one, or, resumed
+        from the checkpoint `resumed_from` whose meta.json is `meta`, one that continues its rows and run ids."""
+        from omegaconf import OmegaConf
+
+        return cls(cfg.logger, cfg.run_dir, OmegaConf.to_container(cfg, resolve=True), enabled=enabled,
+                   rows_from=os.path.join(resumed_from, "metrics.jsonl") if resumed_from else None,
+                   resume_step=meta.get("step"), run_ids=meta.get("logger_ids"))
+
     def __init__(self, cfg: Any, run_dir: str, config_dict: dict[str, Any], enabled: bool = True,
                  rows_from: str | None = None, resume_step: int | None = None,
                  run_ids: dict[str, str] | None = None):

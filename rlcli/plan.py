@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlcli import roofline
+from rlcli.rewards.config import MODEL_PART
 
 ROLLOUT = "rollout"  # the table row of generation memory (HF KV cache, or the vLLM engine)
 GIB = 2**30
@@ -416,6 +417,8 @@ def _estimate(cfg: Any, prompt: tuple[int, str], budget: int | None, budget_note
     else:
         notes["critic"] = f"none ({a.adv_estimator} needs no values)"
     rows["critic"] = critic
+    if MODEL_PART in cfg.reward.weights:
+        rows["reward model"], notes["reward model"] = reward_model_bytes(cfg, arch)
 
     # The update: micro-batches of at most hw.micro_batch rows of the per-rank mini-batch, capped in tokens.
     u = units(cfg)
@@ -471,7 +474,7 @@ def _estimate(cfg: Any, prompt: tuple[int, str], budget: int | None, budget_note
         notes["runtime"] = "python + torch + transformers + DeepSpeed (measured)"
 
     static = sum(rows[k] for k in ("weights", "gradients", "optimizer states", "reference model", "critic",
-                                   "runtime") if k in rows)
+                                   "reward model", "runtime") if k in rows)
     update = rows["activations"] + rows["logits chunk"] + (rows[ROLLOUT] if resident else 0.0)
     peak = static + max(update, rows[ROLLOUT])
     shape = {"psi": psi, "trainable": trainable, "world": world, "micro_rows": mb, "seq": seq, "prompt": tp,
@@ -479,6 +482,24 @@ def _estimate(cfg: Any, prompt: tuple[int, str], budget: int | None, budget_note
              "kv_room_tokens": kv_room, "arch": arch, "phase": "update" if update >= rows[
                  ROLLOUT] else "rollout", "resident": resident}
     return Plan(rows, notes, peak, dev, dev_note, host, shape, blockers)
+
+
+def reward_model_bytes(cfg: Any, policy: Arch) -> tuple[float, str]:
+    """reward=rm: the reward model's frozen weights, whole on every rank that makes batches (rlcli/rewards/model.py),
+    counted as `rlcli rm` counts a reward model (rlcli.rm.plan.rm_param_count), from reward.rm.path's config.json
+    (else the policy's size, said so). Its forward has no gradient and runs between generation and the update:
+    its activations are not counted."""
+    from types import SimpleNamespace
+
+    from rlcli.rewards.config import reward_model_dtype
+    from rlcli.rm.plan import rm_param_count
+
+    path = cfg.reward.rm.path
+    readable = path is not None and os.path.isfile(os.path.join(os.path.expanduser(path), "config.json"))
+    arch = arch_of(SimpleNamespace(path=os.path.expanduser(path), gguf_file=None)) if readable else policy
+    psi, nbytes = rm_param_count(arch), 4 if reward_model_dtype(cfg) == "float32" else 2
+    where = "reward.rm.path" if readable else "the policy's size: reward.rm.path has no config.json here"
+    return psi * nbytes, f"Ψ = {psi / 1e9:.3f}B x {nbytes} B, frozen, whole on each rank ({where})"
 
 
 def _zero_note(stage: int, world: int, what: str) -> str:

@@ -39,7 +39,7 @@ def startup_summary(t: Any) -> str:
         f"  shaping        overlong_filter={a.overlong_filter} soft_overlong={a.soft_overlong} "
         f"(buffer {r.overlong_buffer_len} of {r.max_new_tokens} tokens) "
         f"dynamic_sampling={a.dynamic_sampling}",
-        f"  reward         {dict(cfg.reward.weights)}",
+        f"  reward         {dict(cfg.reward.weights)}{reward_model_note(cfg, t.rewards.scorer is not None)}",
         "  critic         "
         + (f"{cfg.critic.head} head from {cfg.critic.path or 'the policy'}, lr {cfg.critic.lr}, "
            f"value pretraining {u.pretrain_steps} steps" if learner.critic is not None else "none"),
@@ -70,6 +70,15 @@ def startup_summary(t: Any) -> str:
         + (f"; resuming from {t.resumed_from} (step {s.step})" if t.resumed_from else ""),
     ]
     return "\n".join(lines)
+
+
+def reward_model_note(cfg: Any, here: bool) -> str:
+    """reward=rm: which reward model scores, how its score is normalised, and where (`here`: in this process)."""
+    rm = cfg.reward.rm
+    if "rm" not in cfg.reward.weights:
+        return ""
+    return (f"; rm = reward model {rm.path}, normalize={rm.normalize}" + (f", clip={rm.clip}" if rm.clip else "")
+            + ("" if here else ", on the rollout ranks"))
 
 
 def old_logprob_pass(cfg: Any, on_policy: bool) -> str:

@@ -25,7 +25,6 @@ from collections import defaultdict
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 from torch import Tensor
 from tqdm.auto import tqdm
 
@@ -67,7 +66,7 @@ class Trainer:
         self.model_path, self.model_source = rank_zero_first(lambda: resolve_model_path(cfg.model, cfg.data))
         self.learner = Learner(cfg, self.model_path, self.units)
         self.tokenizer = self.learner.tokenizer
-        self.rewards = RewardManager(cfg.reward)
+        self.rewards = RewardManager.for_run(cfg, self.tokenizer, with_model=channel is None)  # else rollout ranks score
         train, self.train_report = load_split(cfg.data, "train", cfg.seed, tokenizer=self.tokenizer)
         evals, _ = load_split(cfg.data, "eval", cfg.seed, tokenizer=self.tokenizer)
         if cfg.hw.max_tokens_per_micro_batch == "auto":  # `rlcli train` fixes it; a Trainer built in code does here
@@ -86,11 +85,7 @@ class Trainer:
         self.timer = Timer()  # the current step's stage timer (its last stage is named in errors)
         self.resumed_from = ckpt.resolve(cfg.resume, cfg.run_dir)
         meta = self.restore(self.resumed_from) if self.resumed_from else {}
-        self.logger = MetricsLogger(
-            cfg.logger, cfg.run_dir, OmegaConf.to_container(cfg, resolve=True), enabled=self.main,
-            rows_from=os.path.join(self.resumed_from, "metrics.jsonl") if self.resumed_from else None,
-            resume_step=meta.get("step"), run_ids=meta.get("logger_ids"),
-        )
+        self.logger = MetricsLogger.of_run(cfg, self.resumed_from, meta, enabled=self.main)
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, Any]:

@@ -79,6 +79,19 @@ def test_a_resume_that_changes_the_math_fails_naming_the_keys(tmp_path):
         ckpt.check_compatible(str(tmp_path), compose("steps=3", run_dir="/runs/a"))
 
 
+def test_a_checkpoint_of_an_older_config_schema_resumes_with_a_note_but_a_dropped_reward_part_is_refused(tmp_path, capfd):
+    """A key the checkpoint's config lacks (added to the schema since, e.g. eval.subset_seed) is named in a note; a
+    key of an open dict (a reward part given with +reward.weights.<name>) on one side only still changes the math."""
+    saved = OmegaConf.to_container(compose("steps=10", "+reward.weights.format=0.5", run_dir="/runs/a"), resolve=True)
+    del saved["eval"]["subset_seed"]
+    OmegaConf.save(OmegaConf.create(saved), tmp_path / "config.yaml")
+    (tmp_path / "meta.json").write_text(json.dumps({"step": 4, "world_size": 1}))
+    ckpt.check_compatible(str(tmp_path), compose("steps=10", "+reward.weights.format=0.5", run_dir="/runs/a"))
+    assert "keys on one side only, taken as configured now: eval.subset_seed" in capfd.readouterr().err
+    with pytest.raises(ValueError, match=r"reward\.weights\.format \(0\.5 in the checkpoint, None now\)"):
+        ckpt.check_compatible(str(tmp_path), compose("steps=10", run_dir="/runs/a"))
+
+
 def test_first_signal_raises_a_flag_and_a_second_ctrl_c_aborts():
     said = []
     before = signal.getsignal(signal.SIGTERM)

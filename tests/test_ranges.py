@@ -34,6 +34,8 @@ FREE = {
     "hw.master_addr": "a host name or address: only the rendezvous can tell",
     "reward.custom": "dotted paths of user functions; their names and shape are checked in rewards.config.validate "
                      "(CHECKED below), cli.check_inputs imports them before anything loads (tests/test_errors.py)",
+    "reward.rm.path": "a directory or hub id: cli.check_inputs reads its config.json (a sequence classifier with one "
+                      "label) before anything loads (tests/test_reward_rm.py)",
     "data.name": "a preset's label; any text",
     "data.train_path": "a file or directory: cli.check_inputs reads its first rows before anything loads",
     "data.eval_path": "a file or directory: cli.check_inputs reads its first rows before anything loads",
@@ -227,6 +229,7 @@ OUT_OF_RANGE = {
     "reward.weights": [NAN, INF], "reward.correct_score": [NAN], "reward.incorrect_score": [-INF],
     "reward.length_target": [-1], "reward.length_scale": [0], "reward.timeout_s": [0, -5], "reward.num_workers": [0],
     "reward.memory_mb": [128, 0], "reward.answer_format": ["last_word"], "reward.max_response_chars": [0],
+    "reward.rm.batch_size": [0], "reward.rm.normalize": ["running", "whiten"], "reward.rm.clip": [0, -1.0, NAN],
     "data.source": ["hub"], "data.eval_fraction": [0, 1, 1.5], "data.adapter": ["alpaca"], "data.chat": ["yes"],
     "data.train_size": [0], "data.eval_size": [0], "data.min_digits": [0], "data.max_digits": [0],
     "data.max_prompt_len": [0], "data.report_bad_rows": [-1],

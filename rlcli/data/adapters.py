@@ -31,7 +31,7 @@ class BadRow(Exception):
         self.kind, self.detail = kind, detail
 
 
-_ABSENT = object()
+ABSENT = object()
 
 
 def _walk(value: Any, parts: list[str]) -> Any:
@@ -43,12 +43,12 @@ def _walk(value: Any, parts: list[str]) -> Any:
         ):
             value = value[int(part)]
         else:
-            return _ABSENT
+            return ABSENT
     return value
 
 
 def get_path(row: Mapping[str, Any], path: str) -> Any:
-    """The value at `path` in `row`, or `_ABSENT`.
+    """The value at `path` in `row`, or `ABSENT`.
 
     `path` is a dotted path (`reward_model.ground_truth`; an integer part indexes a list,
     `prompt.0.content`); a key that itself contains dots is found first. `a|b` tries `a`, then `b`:
@@ -58,9 +58,9 @@ def get_path(row: Mapping[str, Any], path: str) -> Any:
     for alternative in path.split("|"):
         alternative = alternative.strip()
         value = row[alternative] if alternative in row else _walk(row, alternative.split("."))
-        if value is not _ABSENT and value is not None:
+        if value is not ABSENT and value is not None:
             return value
-    return _ABSENT
+    return ABSENT
 
 
 def _type_name(value: Any) -> str:
@@ -70,7 +70,7 @@ def _type_name(value: Any) -> str:
 def take_prompt(row: Mapping[str, Any], key: str) -> Prompt:
     """The problem at `key`: a non-empty string, or chat messages with a non-empty last user turn."""
     value = get_path(row, key)
-    if value is _ABSENT:
+    if value is ABSENT:
         raise BadRow("missing prompt", f"no prompt in column {key!r}")
     if isinstance(value, str):
         if not value.strip():
@@ -105,7 +105,7 @@ def take_answer(row: Mapping[str, Any], key: str) -> str:
     """The answer at `key` as a stripped, non-empty string; integers (and integral floats) are
     written as integers, `12.0` -> `12`."""
     value = get_path(row, key)
-    if value is _ABSENT:
+    if value is ABSENT:
         raise BadRow("missing answer", f"no answer in column {key!r}")
     if isinstance(value, bool):
         raise BadRow("wrong type", f"answer in column {key!r} is bool")

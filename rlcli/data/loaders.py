@@ -25,7 +25,7 @@ import json
 import logging
 import os
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -238,7 +238,7 @@ def read_rows(path: Path) -> Iterator[Row]:
     return reader(path)
 
 
-def _keyed_rows(path: Path, key: str) -> Iterator[Row]:
+def keyed_rows(path: Path, key: str) -> Iterator[Row]:
     """read_rows, whose format errors (they start with the path) then name the key that chose the file."""
     try:
         yield from read_rows(path)
@@ -251,7 +251,7 @@ def _prompt_identity(prompt: Prompt) -> str:
     return json.dumps(prompt, sort_keys=True, ensure_ascii=False)
 
 
-def _hold_out(
+def hold_out(
     rows: list[tuple[int, Prompt, str]], split: str, fraction: float, path: Path
 ) -> tuple[list[tuple[int, Prompt, str]], int]:
     """Rows of `split` when eval is held out of one file: the eval split is the round(fraction * D)
@@ -313,11 +313,12 @@ def split_key(cfg: Any, split: str) -> str:
     return "data.eval_path" if split == "eval" and cfg.eval_path is not None else "data.train_path"
 
 
-def _adapted(cfg: Any, report: LoadReport, rows: Iterator[Row]) -> tuple[list[tuple[int, Prompt, str]], list[str] | None]:
-    """The usable rows (row number, prompt, answer) through data.adapter, and the first row's columns; bad rows
-    are counted in `report`."""
-    adapter = ADAPTERS[cfg.adapter]
-    usable: list[tuple[int, Prompt, str]] = []
+def usable_rows(rows: Iterator[Row], parse: Callable[[Mapping], tuple[Prompt, Any]], report: LoadReport,
+                keep_first: int) -> tuple[list[tuple[int, Prompt, Any]], list[str] | None]:
+    """The rows `parse` accepts, as (row number, prompt, what it parsed besides the prompt), and the first row's
+    columns; unreadable rows, rows that are not objects and rows `parse` refuses (BadRow) are counted in `report`
+    (the first `keep_first` of them kept for the message). Prompt files (data.*) and preference pairs (rm.*)."""
+    usable: list[tuple[int, Prompt, Any]] = []
     columns: list[str] | None = None
     for row_no, row, error in rows:
         report.rows += 1
@@ -328,12 +329,18 @@ def _adapted(cfg: Any, report: LoadReport, rows: Iterator[Row]) -> tuple[list[tu
                 raise BadRow("wrong type", f"row is a {type(row).__name__}, expected an object of columns")
             if columns is None:
                 columns = list(row)
-            prompt, answer = adapter(row, cfg)
+            prompt, parsed = parse(row)
         except BadRow as bad:
-            report.skip(row_no, bad, cfg.report_bad_rows)
+            report.skip(row_no, bad, keep_first)
             continue
-        usable.append((row_no, prompt, answer))
+        usable.append((row_no, prompt, parsed))
     return usable, columns
+
+
+def _adapted(cfg: Any, report: LoadReport, rows: Iterator[Row]) -> tuple[list[tuple[int, Prompt, str]], list[str] | None]:
+    """The usable rows (row number, prompt, answer) through data.adapter; bad rows counted in `report`."""
+    adapter = ADAPTERS[cfg.adapter]
+    return usable_rows(rows, lambda row: adapter(row, cfg), report, cfg.report_bad_rows)
 
 
 def check_files(cfg: Any, splits: tuple[str, ...] = SPLITS) -> None:
@@ -347,7 +354,7 @@ def check_files(cfg: Any, splits: tuple[str, ...] = SPLITS) -> None:
     for key in dict.fromkeys(split_key(cfg, split) for split in splits):
         path = resolve_path(getattr(cfg, key.removeprefix("data.")), key)
         report = LoadReport(split="check", source=str(path))
-        usable, columns = _adapted(cfg, report, itertools.islice(_keyed_rows(path, key), CHECK_ROWS))
+        usable, columns = _adapted(cfg, report, itertools.islice(keyed_rows(path, key), CHECK_ROWS))
         if not usable:
             among = f"the first {report.rows}" if report.rows == CHECK_ROWS else ""
             raise _no_usable_row(path, cfg, report, columns, key, among)
@@ -361,12 +368,12 @@ def load_file_split(cfg: Any, split: str, tokenizer: Any = None) -> tuple[list[d
     report = LoadReport(split=split, source=str(path))
     chat = use_chat_template(cfg.chat, tokenizer)
 
-    rows, columns = _adapted(cfg, report, _keyed_rows(path, key))
+    rows, columns = _adapted(cfg, report, keyed_rows(path, key))
     if not rows:
         raise _no_usable_row(path, cfg, report, columns, key)
 
     if held_out:
-        rows, report.held_out = _hold_out(rows, split, cfg.eval_fraction, path)
+        rows, report.held_out = hold_out(rows, split, cfg.eval_fraction, path)
     if cfg.dedupe:
         seen: set[tuple[str, str]] = set()
         unique = []

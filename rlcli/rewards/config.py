@@ -6,6 +6,8 @@ Scoring (docs/rewards.md#scoring), per response i:
     v_math_verify,i = correct_score if acc_i == 1 else incorrect_score
     v_k,i = the raw value of reward function k, for every other part
 
+    v_rm,i = the reward model's score of (prompt_i, response_i), normalised by reward.rm.normalize (rm only)
+
 ``acc`` (math-verify correctness) is computed for every response even when ``math_verify`` has no
 weight: metrics and dynamic sampling need it. A response whose verification times out or errors
 gets acc = 0 and raw value 0 for every part, so with DAPO's ±1 mapping it scores
@@ -29,7 +31,31 @@ from rlcli.schema import ConfigError, check_ranges, rng
 
 # Metric names the manager emits besides "reward/<part>"; a part may not take one of them, nor
 # the trainer's reward/mean and reward/std (docs/metrics.md).
-RESERVED_NAMES = ("timeouts", "errors", "restarts", "mean", "std", "pool_mean")
+RESERVED_NAMES = ("timeouts", "errors", "restarts", "mean", "std", "pool_mean", "rm_std")
+
+MODEL_PART = "rm"
+"""The part a reward model scores (reward=rm, rlcli/rewards/model.py): it reads the prompt as well as the response, so
+it runs in the process that holds the batch, never in a sandbox worker; the name is no reward function's."""
+
+NORMALIZE = ("none", "batch")
+
+
+@dataclass
+class RewardModelConfig:
+    """reward.rm.*: a trained reward model as the `rm` part of the task reward (docs/reward_models.md#rewardrm)."""
+
+    path: str | None = None
+    """A reward model directory (a *ForSequenceClassification with one label, e.g. <run>/reward_model of `rlcli rm`)
+    or a hub id in the local cache; required when reward.weights has rm."""
+    batch_size: int = rng(32, ge=1)
+    """Sequences per reward model forward (memory only: padding never changes a score)."""
+    normalize: str = rng("batch", choices=NORMALIZE)
+    """none (the raw score) | batch (whitened over the generation batch: (r - mean) / (std + 1e-6), std unbiased). A
+    reward model's scores have an arbitrary offset and scale (the Bradley-Terry loss sees differences only), so
+    whitening makes reward.weights.rm a weight per standard deviation, comparable with the verifier's 0/1;
+    group estimators (grpo, rloo, ...) ignore a per-group offset anyway. reward/rm logs the raw mean."""
+    clip: float | None = rng(None, gt=0, why="null = no bound")
+    """Bound the (normalised) score to [-clip, clip], against a few outlying scores (reward hacking's first sign)."""
 
 
 @dataclass
@@ -37,7 +63,8 @@ class RewardConfig:
     """Task reward: which reward functions, their weights, and the verifier sandbox."""
 
     weights: dict[str, float] = rng(factory=lambda: {"math_verify": 1.0})
-    """Active reward parts, name -> weight: built-ins (math_verify, format, length) or custom names."""
+    """Active reward parts, name -> weight: built-ins (math_verify, format, length), custom names, or rm (a reward
+    model, reward.rm)."""
     correct_score: float = rng(1.0)
     """Value of the math_verify part when the answer is correct (acc = 1)."""
     incorrect_score: float = rng(0.0)
@@ -60,11 +87,19 @@ class RewardConfig:
     set it; evaluation's maj@k reads answers the same way."""
     max_response_chars: int = rng(100_000, ge=1)
     """Longer responses (or ground truths) are rejected unparsed and count as errors (20k tokens fit)."""
+    rm: RewardModelConfig = field(default_factory=RewardModelConfig)
+    """The reward model of the `rm` part (reward=rm): read only when reward.weights has rm."""
 
     def function_options(self) -> dict[str, Any]:
         """The keyword options every built-in reward function receives."""
         return {"length_target": self.length_target, "length_scale": self.length_scale,
                 "answer_format": self.answer_format}
+
+
+def reward_model_dtype(cfg: Any) -> str:
+    """The dtype reward.rm's model is loaded in (root config `cfg`): bfloat16 under hw.precision=bf16, as the policy
+    runs, else model.dtype. Its loader (rlcli.rewards.model) and the memory plan read it here."""
+    return "bfloat16" if cfg.hw.precision == "bf16" else cfg.model.dtype
 
 
 def group_base() -> RewardConfig:
@@ -88,7 +123,7 @@ def validate(cfg: Any, prefix: str = "reward") -> None:
     """Raise ConfigError naming the offending key if `cfg` (RewardConfig or DictConfig) is unusable."""
     check_ranges(cfg, RewardConfig, prefix + ".")
     custom = dict(cfg.custom)
-    valid = sorted(set(REWARDS) | set(custom))
+    valid = sorted(set(REWARDS) | set(custom) | {MODEL_PART})
     if not cfg.weights:
         raise ConfigError(f"{prefix}.weights is empty; select a reward, e.g. {prefix}=math_verify")
     for name in cfg.weights:
@@ -98,7 +133,7 @@ def validate(cfg: Any, prefix: str = "reward") -> None:
                 f"(add user functions under {prefix}.custom)"
             )
     for name, path in custom.items():
-        if name in REWARDS or name in RESERVED_NAMES:
+        if name in REWARDS or name in RESERVED_NAMES or name == MODEL_PART:
             raise ConfigError(f"{prefix}.custom.{name}: the name {name!r} is taken; choose another")
         if "." not in path.strip("."):
             raise ConfigError(f"{prefix}.custom.{name}={path!r} must be a dotted path 'pkg.module.fn'")
@@ -106,11 +141,55 @@ def validate(cfg: Any, prefix: str = "reward") -> None:
             raise ConfigError(
                 f"{prefix}.custom.{name} is never used: add {prefix}.weights.{name}=<weight> (0 to only log it)"
             )
+    if MODEL_PART in cfg.weights and cfg.rm.path is None:
+        raise ConfigError(f"{prefix}.weights.{MODEL_PART} scores with a reward model, but {prefix}.rm.path is null: set "
+                          f"{prefix}.rm.path=<a reward model directory, e.g. <run>/reward_model of `rlcli rm`>")
+    if MODEL_PART not in cfg.weights and cfg.rm.path is not None:
+        raise ConfigError(f"{prefix}.rm.path={cfg.rm.path} is set, but {prefix}.weights has no {MODEL_PART}: add "
+                          f"{prefix}=[...,{MODEL_PART}] ({prefix}.weights.{MODEL_PART}=0 only logs it), or drop "
+                          f"{prefix}.rm.path")
     if cfg.correct_score <= cfg.incorrect_score:
         raise ConfigError(
             f"{prefix}.correct_score={cfg.correct_score} must exceed "
             f"{prefix}.incorrect_score={cfg.incorrect_score}"
         )
+
+
+def check_reward_model(cfg: Any, prefix: str = "reward") -> None:
+    """`rlcli train`, before anything loads (reward.weights has rm): reward.rm.path is a local directory whose
+    config.json describes a sequence classifier with one label, or a hub id in the local cache. Torch-free."""
+    import json
+    import os
+
+    from rlcli.models.config import HUB_ID, _in_hub_cache, download_hint
+
+    if MODEL_PART not in cfg.weights:
+        return
+    key, value = f"{prefix}.rm.path", cfg.rm.path
+    local = os.path.expanduser(value)
+    fix = "train one with `rlcli rm` and pass its <run>/reward_model"
+    if os.path.isdir(local):
+        config = os.path.join(local, "config.json")
+        if not os.path.isfile(config):
+            held = sorted(os.listdir(local))
+            shown = ", ".join(held[:6]) + (", ..." if len(held) > 6 else "") if held else "nothing"
+            raise ConfigError(f"{key}={value} has no config.json (it holds {shown}): point it at a reward model "
+                              f"directory, as save_pretrained writes it; {fix}")
+        with open(config) as f:
+            c = json.load(f)
+        kinds, labels = c.get("architectures") or [], len(c.get("id2label") or {"0": ""})
+        if not any(k.endswith("ForSequenceClassification") for k in kinds) or labels != 1:
+            raise ConfigError(f"{key}={value} holds {', '.join(kinds) or 'a model'} with {labels} label(s), not a "
+                              f"reward model (a *ForSequenceClassification with one label): {fix}")
+        return
+    if os.path.exists(local):
+        raise ConfigError(f"{key}={value} is a file, not a reward model directory: {fix}")
+    if HUB_ID.fullmatch(value) and not os.path.isdir(os.path.expanduser(value.split("/")[0])):
+        if _in_hub_cache(value, ("config.json",)):
+            return
+        raise ConfigError(f"{key}={value} is neither a local directory nor a model in the Hugging Face cache, and "
+                          f"rlcli runs offline: download it first, {download_hint(value).replace('model.path', key)}")
+    raise ConfigError(f"{key}={value}: no such directory; {fix}")
 
 
 def check_importable(cfg: Any, prefix: str = "reward") -> None:

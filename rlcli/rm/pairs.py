@@ -27,8 +27,8 @@ import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from rlcli.data.adapters import _ABSENT, BadRow, get_path, take_prompt
-from rlcli.data.loaders import CHECK_ROWS, LoadReport, _hold_out, _keyed_rows, resolve_path
+from rlcli.data.adapters import ABSENT, BadRow, get_path, take_prompt
+from rlcli.data.loaders import CHECK_ROWS, LoadReport, hold_out, keyed_rows, resolve_path, usable_rows
 from rlcli.data.templates import Prompt, last_user_index, render_prompt, use_chat_template
 from rlcli.schema import ConfigError
 
@@ -69,7 +69,7 @@ def arith_pairs(split: str, size: int, min_digits: int, max_digits: int) -> list
 def take_response(row: Mapping[str, Any], key: str, what: str) -> str | list[dict[str, str]]:
     """The response at `key`: a non-empty string, or chat messages (the turns after the last user turn, if any)."""
     value = get_path(row, key)
-    if value is _ABSENT:
+    if value is ABSENT:
         raise BadRow(f"missing {what}", f"no {what} response in column {key!r}")
     if isinstance(value, str):
         if not value.strip():
@@ -92,8 +92,8 @@ def take_margin(row: Mapping[str, Any], key: str | None) -> float:
     if key is None:
         return 0.0
     value = get_path(row, key)
-    if value is _ABSENT or isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        shown = "missing" if value is _ABSENT else repr(value)
+    if value is ABSENT or isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        shown = "missing" if value is ABSENT else repr(value)
         raise BadRow("bad margin", f"margin in column {key!r} is {shown}, expected a finite number")
     return float(value)
 
@@ -132,21 +132,11 @@ def render_pair(prompt: Prompt, chosen: Any, rejected: Any, chat: bool, tokenize
 
 def _rows(rm: Any, report: LoadReport, rows: Iterator[Any]) -> tuple[list[tuple[int, Prompt, Any]], list[str] | None]:
     """Usable rows (row number, prompt, (chosen, rejected, margin)) and the first row's columns; bad rows counted."""
-    usable, columns = [], None
-    for row_no, row, error in rows:
-        report.rows += 1
-        try:
-            if error is not None:
-                raise BadRow("unreadable row", error)
-            if not isinstance(row, Mapping):
-                raise BadRow("wrong type", f"row is a {type(row).__name__}, expected an object of columns")
-            columns = columns if columns is not None else list(row)
-            prompt, chosen, rejected, margin = pair_columns(row, rm)
-        except BadRow as bad:
-            report.skip(row_no, bad, rm.report_bad_rows)
-            continue
-        usable.append((row_no, prompt, (chosen, rejected, margin)))
-    return usable, columns
+    def parse(row: Mapping) -> tuple[Prompt, Any]:
+        prompt, *pair = pair_columns(row, rm)
+        return prompt, tuple(pair)
+
+    return usable_rows(rows, parse, report, rm.report_bad_rows)
 
 
 def _key(rm: Any, split: str) -> str:
@@ -182,7 +172,7 @@ def check_pairs(rm: Any) -> None:
     for key in dict.fromkeys(_key(rm, split) for split in SPLITS):
         path = resolve_path(getattr(rm, key.removeprefix("rm.")), key)
         report = LoadReport(split="check", source=str(path))
-        usable, columns = _rows(rm, report, itertools.islice(_keyed_rows(path, key), CHECK_ROWS))
+        usable, columns = _rows(rm, report, itertools.islice(keyed_rows(path, key), CHECK_ROWS))
         if not usable:
             raise _no_pair(rm, key, path, report, columns)
 
@@ -200,11 +190,11 @@ def load_pairs(cfg: Any, split: str, tokenizer: Any) -> tuple[list[Pair], LoadRe
         key = _key(rm, split)
         path = resolve_path(getattr(rm, key.removeprefix("rm.")), key)
         report = LoadReport(split=f"rm {split}", source=str(path))
-        rows, columns = _rows(rm, report, _keyed_rows(path, key))
+        rows, columns = _rows(rm, report, keyed_rows(path, key))
         if not rows:
             raise _no_pair(rm, key, path, report, columns)
         if rm.eval_path is None:
-            rows, report.held_out = _hold_out(rows, split, rm.eval_fraction, path)
+            rows, report.held_out = hold_out(rows, split, rm.eval_fraction, path)
         chat = use_chat_template(rm.chat, tokenizer)
         rendered = []
         for row_no, prompt, (chosen, rejected, margin) in rows:

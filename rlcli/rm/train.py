@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
 from rlcli import checkpoint as ckpt
@@ -92,11 +91,7 @@ class RewardModelTrainer:
         self.state = Progress(PromptStream(self.train_pairs, cfg.seed, True, self.rank, self.world))
         self.resumed_from = ckpt.resolve(cfg.resume, cfg.run_dir)
         meta = self.restore(self.resumed_from) if self.resumed_from else {}
-        self.logger = MetricsLogger(
-            cfg.logger, cfg.run_dir, OmegaConf.to_container(cfg, resolve=True), enabled=self.main,
-            rows_from=os.path.join(self.resumed_from, "metrics.jsonl") if self.resumed_from else None,
-            resume_step=meta.get("step"), run_ids=meta.get("logger_ids"),
-        )
+        self.logger = MetricsLogger.of_run(cfg, self.resumed_from, meta, enabled=self.main)
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, Any]:

@@ -372,7 +372,7 @@ def serve(cfg: Any, channel: Channel, place: Placement) -> None:
     module, tokenizer = load_policy(model_cfg, path)
     module.to(torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cfg.hw.device == "cuda" else "cpu").eval()
     engine = build_engine(cfg.rollout.engine, module, tokenizer, path, cfg)
-    rewards = RewardManager(cfg.reward)
+    rewards = RewardManager.for_run(cfg, tokenizer)  # reward=rm: this rank scores the batches it makes
     with_logprobs = with_rollout_logprobs(cfg, engine)
     version, active = None, place.clients()  # every trainer pushes before its first request
     try:

@@ -144,6 +144,8 @@ def sampling_metrics(batch: RolloutBatch, pool: list[RolloutBatch], per_trajecto
     total = dict(zip(keys, all_reduce(torch.tensor([counts[k] for k in keys], dtype=torch.float64)).tolist()))
     metrics = {k: v["mean"] for k, v in stats.items() if k not in ("reward", "acc", "response_length") and v["n"]}
     metrics.update({k: total[k] for k in keys if k.startswith("reward/")})
+    if "reward/rm" in stats:  # the reward model's raw spread: whitening (reward.rm.normalize) hides it from the reward
+        metrics["reward/rm_std"] = stats["reward/rm"]["std"]
     return metrics | {
         "reward/mean": stats["reward"]["mean"], "reward/std": stats["reward"]["std"],
         "acc/mean": stats["acc"]["mean"],
