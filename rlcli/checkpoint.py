@@ -13,6 +13,9 @@ straight one (tests/test_checkpoint.py):
         metrics.jsonl     the run's metric rows up to step N (a resumed run continues from exactly these)
         actor/ critic/    DeepSpeed checkpoints: weights, optimizer moments, step counters, LR schedule
         v_pretrained.pt   the frozen pretrained critic (VAPO's V_aug option), if the run has one
+        judge_cache/      a copy of run_dir/judge_cache/ (reward=judge's replies, rlcli.rewards.judge), if the run has
+                          one: a run resumed from this checkpoint into another run directory starts with it, or with the
+                          origin's whole run_dir/judge_cache/ where that still exists (`adopt`)
         rank_<r>.pt       per rank: RNG states (python, numpy, torch), the prompt stream's position, the
                           dynamic-sampling carry with its recorded old log-probs, the KL controller's β,
                           the group-id counter, results so far (held-out accuracy before training, ...)
@@ -62,6 +65,9 @@ MAY_CHANGE = frozenset({
     "hw.micro_batch", "hw.max_tokens_per_micro_batch", "hw.logits_chunk", "hw.num_threads", "hw.shm_comm", "hw.master_port",
     "hw.collective_timeout_s", "hw.shutdown_timeout_s", "rollout.gen_batch_size", "reward.num_workers", "reward.rm.batch_size",
     "hw.device_memory_gb", "hw.check_memory",  # the memory check before training, not the run
+    # where and how patiently the judge is asked, not what it answers (its replies are cached by request, never by URL)
+    "reward.judge.url", "reward.judge.api_key_env", "reward.judge.concurrency", "reward.judge.timeout_s",
+    "reward.judge.retries", "reward.judge.backoff_s", "reward.judge.batch_size", "reward.judge.on_error",
     "hw.peak_tflops", "hw.memory_bandwidth_gbs", "hw.host_link_gbs",  # the plan's step-time estimate
     # how the vLLM engine holds memory and shards the model, not what it samples
     "rollout.gpu_memory_utilization", "rollout.sleep_mode", "rollout.enforce_eager", "rollout.cpu_kv_cache_gb",
@@ -70,6 +76,9 @@ MAY_CHANGE = frozenset({
 })
 MAY_CHANGE_GROUPS = ("checkpoint.", "logger.", "eval.", "ladder.", "sweep.")
 STEP_DIR = re.compile(r"step_(\d+)")
+CARRIED = ("judge_cache",)
+"""Run-directory folders a checkpoint carries a copy of (`write_run_files`) and a branch into another run directory
+adopts (`adopt`): what the run has learnt from outside the model, which no later step may have to ask for again."""
 
 
 @dataclass
@@ -424,13 +433,35 @@ def stop_on_disk_full(cfg: Any) -> Iterator[None]:
 
 
 def write_run_files(directory: str, cfg: Any, step: int, world: int, logger_ids: dict[str, str]) -> None:
-    """The frozen config.yaml and meta.json of a checkpoint being staged in `directory` (rank 0). `logger_ids`: each
+    """The frozen config.yaml, meta.json and copies of the CARRIED folders of a checkpoint being staged in `directory`
+    (rank 0). `logger_ids`: each
     logger backend's run id ({"wandb": ..., "mlflow": ...}), which a resumed run continues (rlcli.loggers)."""
     from omegaconf import OmegaConf
 
     OmegaConf.save(cfg, os.path.join(directory, "config.yaml"), resolve=True)
     with open(os.path.join(directory, "meta.json"), "w") as f:
         json.dump({"step": step, "world_size": world, "run_dir": cfg.run_dir, "logger_ids": logger_ids}, f, indent=2)
+    for name in CARRIED:  # append-only files: a line being written by a rollout rank is skipped when read back
+        if os.path.isdir(src := os.path.join(cfg.run_dir, name)):
+            shutil.copytree(src, os.path.join(directory, name))
+
+
+def adopt(checkpoint: str | None, run_dir: str) -> None:
+    """Before a run resumed from `checkpoint` starts: each CARRIED file that `run_dir` lacks is copied there from the
+    checkpoint's own run directory if it still holds it (a superset: what that run learnt after the checkpoint too),
+    else from the checkpoint's copy. A no-op in the checkpoint's own run directory. Torch-free."""
+    if checkpoint is None:
+        return
+    origin = os.path.dirname(os.path.dirname(os.path.abspath(checkpoint)))  # <run>/checkpoints/step_N
+    for name in CARRIED:
+        dst = os.path.join(run_dir, name)
+        for src in (os.path.join(origin, name), os.path.join(checkpoint, name)):
+            if not os.path.isdir(src) or os.path.abspath(src) == os.path.abspath(dst):
+                continue
+            os.makedirs(dst, exist_ok=True)
+            for file in os.listdir(src):
+                if not os.path.exists(os.path.join(dst, file)):
+                    shutil.copy2(os.path.join(src, file), os.path.join(dst, file))
 
 
 def resume_command(run_dir: str, command: str = "train") -> str:

@@ -84,15 +84,17 @@ def check_inputs(cfg: Any, splits: tuple[str, ...]) -> None:
     """What this machine must hold for `rlcli train` / `rlcli eval`, checked in about a second before anything
     loads (`rlcli plan` needs none of it): the model directory (or a cached hub id), the data files (format and
     columns of their first rows), the reward.custom functions (importable), reward.rm.path (a reward model's
-    directory, with reward=rm). A ConfigError names the key."""
+    directory, with reward=rm), reward.judge (its API key's variable, a local judge's directory; the server is not
+    asked). A ConfigError names the key."""
     from rlcli.data.loaders import check_files
     from rlcli.models.config import check_model_path
-    from rlcli.rewards.config import check_importable, check_reward_model
+    from rlcli.rewards.config import check_importable, check_judge, check_reward_model
 
     check_model_path(cfg.model)
     check_files(cfg.data, splits)
     check_importable(cfg.reward)
     check_reward_model(cfg.reward)
+    check_judge(cfg.reward)
 
 
 def train_job(cfg: Any) -> dict[str, Any] | None:
@@ -111,6 +113,7 @@ def train_job(cfg: Any) -> dict[str, Any] | None:
     resume = checkpoint.resolve(cfg.resume, cfg.run_dir)  # before the memory plan, which tokenises every prompt
     if resume is not None:
         checkpoint.check_compatible(resume, cfg)
+        checkpoint.adopt(resume, cfg.run_dir)  # e.g. the judge's cached replies, into a branch's new run directory
     elif cfg.resume is None and checkpoint.latest(cfg.run_dir) is not None:
         raise SystemExit(f"{cfg.run_dir} holds checkpoints of an earlier run: pass resume=auto to continue it, "
                          "or choose another hydra.run.dir for a new run")

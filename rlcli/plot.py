@@ -180,11 +180,12 @@ def smooth(values: list[float], window: int) -> list[float]:
 
 
 # ---------------------------------------------------------------------------------------- the figure
-def figure(groups: list[Group], out: str | Path, title: str | None = None) -> Path:
+def figure(groups: list[Group], out: str | Path, title: str | None = None, metrics: tuple[str, ...] = ()) -> Path:
     """Training curves, one panel per metric, one line per group (mean over seeds, smoothed over ~10%
-    of the steps, ±1 std band); a last panel compares held-out accuracy after training (and the
-    paper's number for ladder rungs, and a black tick at the accuracy before training) when
-    result.json files exist. Written with the Agg backend."""
+    of the steps, ±1 std band); `metrics`: more panels, one per logged metric named (e.g. reward/rm, a reward
+    part); a last panel compares held-out accuracy after training (and the paper's number for ladder rungs,
+    and a black tick at the accuracy before training) when result.json files exist. Written with the Agg
+    backend."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -195,6 +196,10 @@ def figure(groups: list[Group], out: str | Path, title: str | None = None) -> Pa
     if any("eval/acc" in row for g in groups for r in g.runs for row in r.metrics):
         panels.update(HELD_OUT_PANEL)
     panels.update({k: t for k, t in CRITIC_PANELS.items() if any(r.series(k)[0] for g in groups for r in g.runs)})
+    for key in metrics:
+        if not any(r.series(key)[0] for g in groups for r in g.runs):
+            raise SystemExit(f"--metrics {key}: no run logged it (metrics.jsonl; names in docs/metrics.md)")
+        panels.setdefault(key, key)
     with_eval = any(r.result for g in groups for r in g.runs)
     n = len(panels) + with_eval
     cols = min(n, 3)
@@ -264,19 +269,22 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="rlcli plot",
         description="Training curves (reward, accuracy, entropy, response length; held-out accuracy when runs "
-        "evaluated every eval.every steps; critic panels when logged) of run directories or sweep directories; "
+        "evaluated every eval.every steps; critic panels when logged; --metrics adds any logged metric) of run "
+        "directories or sweep directories; "
         "seeds of the same config are averaged.",
     )
     p.add_argument("paths", nargs="+", help="run directories (holding config.yaml) or directories above them")
     p.add_argument("--out", default="figure.png", help="output PNG (default: figure.png)")
     p.add_argument("--title", default=None, help="figure title")
+    p.add_argument("--metrics", nargs="+", default=[], metavar="KEY",
+                   help="more panels: logged metrics by name, e.g. reward/rm reward/rm_std (docs/metrics.md)")
     return p
 
 
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     groups = group_runs(find_runs(args.paths))
-    path = figure(groups, args.out, args.title)
+    path = figure(groups, args.out, args.title, tuple(args.metrics))
     runs = sum(len(g.runs) for g in groups)
     print(f"{runs} runs in {len(groups)} groups: {', '.join(g.label for g in groups)}")
     print(f"wrote {path}")

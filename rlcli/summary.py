@@ -39,7 +39,8 @@ def startup_summary(t: Any) -> str:
         f"  shaping        overlong_filter={a.overlong_filter} soft_overlong={a.soft_overlong} "
         f"(buffer {r.overlong_buffer_len} of {r.max_new_tokens} tokens) "
         f"dynamic_sampling={a.dynamic_sampling}",
-        f"  reward         {dict(cfg.reward.weights)}{reward_model_note(cfg, t.rewards.scorer is not None)}",
+        f"  reward         {dict(cfg.reward.weights)}{reward_model_note(cfg, 'rm' in t.rewards.scorers)}"
+        f"{judge_note(cfg, 'judge' in t.rewards.scorers)}",
         "  critic         "
         + (f"{cfg.critic.head} head from {cfg.critic.path or 'the policy'}, lr {cfg.critic.lr}, "
            f"value pretraining {u.pretrain_steps} steps" if learner.critic is not None else "none"),
@@ -78,6 +79,16 @@ def reward_model_note(cfg: Any, here: bool) -> str:
     if "rm" not in cfg.reward.weights:
         return ""
     return (f"; rm = reward model {rm.path}, normalize={rm.normalize}" + (f", clip={rm.clip}" if rm.clip else "")
+            + ("" if here else ", on the rollout ranks"))
+
+
+def judge_note(cfg: Any, here: bool) -> str:
+    """reward=judge: which judge, its verdict and failure policy, and where (`here`: in this process)."""
+    j = cfg.reward.judge
+    if "judge" not in cfg.reward.weights:
+        return ""
+    who = f"{j.url} (model {j.model})" if j.url is not None else f"{j.path} (in the job)"
+    return (f"; judge = {who}, verdict={j.verdict}, on_error={j.on_error}"
             + ("" if here else ", on the rollout ranks"))
 
 

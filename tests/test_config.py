@@ -19,7 +19,9 @@ def make(overrides=()):
 
 
 # Options that need a value only the user can give.
-NEEDS = {("model", "hf"): ["model.path=/some/dir"]}
+NEEDS = {("model", "hf"): ["model.path=/some/dir"],
+         ("reward", "judge"): ["reward.judge.url=http://127.0.0.1:8000", "reward.judge.model=judge"],
+         ("reward", "rm"): ["reward.rm.path=/some/dir"]}
 
 
 @pytest.mark.parametrize(

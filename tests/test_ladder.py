@@ -355,6 +355,28 @@ def test_plot_arbitrary_runs_with_critic_panels(tmp_path):
     assert (tmp_path / "p.png").read_bytes()[:8] == PNG_MAGIC and "3 runs in 2 groups" in res.stdout
 
 
+def test_plot_draws_a_panel_for_each_metric_asked_for(tmp_path, monkeypatch):
+    """--metrics adds a panel per logged metric (reward/rm beside acc/mean); a metric no run logged is refused."""
+    import rlcli.plot as plot
+
+    d = fake_run(tmp_path, 0, 0, 1)
+    rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r | ({"reward/rm": 0.1 * r["step"]} if "acc/mean" in r
+                                                              else {})) + "\n" for r in rows))
+    titles = []
+    real = plot.figure
+
+    def spy(groups, out, title=None, metrics=()):
+        titles.extend(metrics)
+        return real(groups, out, title, metrics)
+
+    monkeypatch.setattr(plot, "figure", spy)
+    assert plot.main([str(tmp_path), "--out", str(tmp_path / "f.png"), "--metrics", "reward/rm"]) == 0
+    assert titles == ["reward/rm"] and (tmp_path / "f.png").read_bytes()[:8] == PNG_MAGIC
+    with pytest.raises(SystemExit, match="reward/judge: no run logged it"):
+        plot.main([str(tmp_path), "--out", str(tmp_path / "g.png"), "--metrics", "reward/judge"])
+
+
 def test_plot_labels_plain_runs_by_dir_name(tmp_path):
     for seed in (1, 2):
         d = fake_run(tmp_path, seed, 0, seed)

@@ -36,6 +36,12 @@ FREE = {
                      "(CHECKED below), cli.check_inputs imports them before anything loads (tests/test_errors.py)",
     "reward.rm.path": "a directory or hub id: cli.check_inputs reads its config.json (a sequence classifier with one "
                       "label) before anything loads (tests/test_reward_rm.py)",
+    "reward.judge.url": "a URL: rewards.config.validate_judge checks it is http(s):// (tests/test_judge.py); the server is "
+                        "first asked in step 1",
+    "reward.judge.model": "the name a server serves; any text (required with reward.judge.url)",
+    "reward.judge.api_key_env": "an environment variable's name: cli.check_inputs checks it is set",
+    "reward.judge.path": "a model directory: cli.check_inputs checks its config.json",
+    "reward.judge.rubric": "free text; rewards.config.validate_judge checks it holds {response}",
     "data.name": "a preset's label; any text",
     "data.train_path": "a file or directory: cli.check_inputs reads its first rows before anything loads",
     "data.eval_path": "a file or directory: cli.check_inputs reads its first rows before anything loads",
@@ -230,6 +236,10 @@ OUT_OF_RANGE = {
     "reward.length_target": [-1], "reward.length_scale": [0], "reward.timeout_s": [0, -5], "reward.num_workers": [0],
     "reward.memory_mb": [128, 0], "reward.answer_format": ["last_word"], "reward.max_response_chars": [0],
     "reward.rm.batch_size": [0], "reward.rm.normalize": ["running", "whiten"], "reward.rm.clip": [0, -1.0, NAN],
+    "reward.judge.verdict": ["likert"], "reward.judge.min_score": [NAN], "reward.judge.max_score": [INF],
+    "reward.judge.max_tokens": [0], "reward.judge.concurrency": [0], "reward.judge.timeout_s": [0, -1],
+    "reward.judge.retries": [-1], "reward.judge.backoff_s": [-1], "reward.judge.on_error": ["retry"],
+    "reward.judge.batch_size": [0],
     "data.source": ["hub"], "data.eval_fraction": [0, 1, 1.5], "data.adapter": ["alpaca"], "data.chat": ["yes"],
     "data.train_size": [0], "data.eval_size": [0], "data.min_digits": [0], "data.max_digits": [0],
     "data.max_prompt_len": [0], "data.report_bad_rows": [-1],
@@ -256,7 +266,8 @@ OUT_OF_RANGE = {
     "seed": [-1, 2**32], "steps": [0, -1],
     "rm.source": ["hub"], "rm.eval_fraction": [0, 1], "rm.chat": ["yes"], "rm.max_len": [0], "rm.batch_size": [0],
     "rm.lr": [0, -1e-5], "rm.center_coef": [-0.01, NAN], "rm.train_size": [0], "rm.eval_size": [0],
-    "rm.eval_every": [-1], "rm.report_bad_rows": [-1],
+    "rm.eval_every": [-1], "rm.report_bad_rows": [-1], "rm.sample_prompts": [0], "rm.samples_per_prompt": [1],
+    "rm.sample_seed": [-1, 2**32],
 }
 
 

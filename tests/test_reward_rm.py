@@ -101,7 +101,7 @@ def test_a_chat_prompt_and_reply_are_the_texts_rlcli_rm_renders():
     text, c, r = render_pair(question, chosen, rejected, True, tokenizer)
     assert c == chosen + "</s>\n" and text == prompt
     b = rollout(tokenizer, [prompt], [chosen, rejected], ended=[True, False])
-    prompts, responses = ModelScorer(None, None, tokenizer, chat=True, batch_size=1).texts(b)
+    prompts, responses = ModelScorer(None, None, tokenizer, chat=True, batch_size=1, normalize="none", clip=None).texts(b)
     assert prompts == [text, text] and responses == [c, rejected]
 
 

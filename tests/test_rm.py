@@ -252,3 +252,55 @@ def test_zero3_and_lora_reward_models_save_what_they_score(tmp_path, monkeypatch
     saved = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "r" / "reward_model"))
     torch.testing.assert_close(score(saved, trainer.tokenizer, *texts), score(trainer.engine.module, trainer.tokenizer,
                                                                               *texts), rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------ on-policy pairs (rm.source=samples)
+def test_sample_pairs_pair_a_verified_correct_with_an_incorrect_reply_held_out_by_prompt_and_cached(
+        tmp_path, monkeypatch):
+    """rm=arith_samples: the model samples (the real HF rollout on a random-init tiny model, whose texts are then
+    replaced by scripted ones: a random model is never right), the sandboxed math_verify grades, each distinct incorrect
+    reply of a prompt with a correct one makes a pair; prompts without both give none (counted), splits share no
+    prompt, and the second load builds nothing."""
+    import rlcli.rollout.hf as hf
+    from rlcli.data.arith import is_correct
+    from rlcli.models import resolve_model_path
+    from rlcli.models.tiny import load_tiny_tokenizer
+    from rlcli.rm.pairs import load_pairs
+    from rlcli.rm.samples import _prompts, cache_key, sample_pairs
+
+    monkeypatch.setenv("RLCLI_CACHE", str(tmp_path / "cache"))
+    real, calls = hf.generate, []
+
+    def scripted(model, tokenizer, prompts, answers, n, *args, **kwargs):
+        b = real(model, tokenizer, prompts, answers, n, *args, **kwargs)
+        calls.append(len(b.texts))
+        texts = []
+        for i, a in enumerate(answers):  # the first prompt all correct; the others: right, wrong, wrong again, junk
+            script = [f" \\boxed{{{a}}}"] * n if i == 0 else [f" \\boxed{{{a}}}", f" \\boxed{{{int(a) + 1}}}",
+                                                             f" \\boxed{{{int(a) + 1}}}", " 1+1"]
+            texts += script[:n]
+        return b.replace(texts=texts)
+
+    monkeypatch.setattr(hf, "generate", scripted)
+    keys = ["rm=arith_samples", "model.warm_start.enabled=false", "rm.sample_prompts=5", "rm.samples_per_prompt=4",
+            "data.eval_size=3", "rollout.max_new_tokens=3", "reward.num_workers=1"]
+    cfg = compose(*keys)
+    tokenizer = load_tiny_tokenizer()
+    train, report = load_pairs(cfg, "train", tokenizer)
+    assert calls == [20, 12]  # 5 train + 3 eval prompts x 4 samples, both splits built at once
+    held_out, _ = load_pairs(cfg, "eval", tokenizer)
+    assert calls == [20, 12]  # the second split came from the cache
+    assert len(train) == 4 * 2 and len(held_out) == 2 * 2  # 2 distinct wrong replies for each prompt but the first
+    answers = {p: a for split in ("train", "eval") for p, a in _prompts(cfg, split, None)}
+    for p in train + held_out:
+        assert is_correct(p["chosen"], answers[p["prompt"]]) and not is_correct(p["rejected"], answers[p["prompt"]])
+    assert not {p["prompt"] for p in train} & {p["prompt"] for p in held_out}
+    assert "1 all correct" in report.source and "4 with both" in report.source and "8 pairs" in report.source
+    assert "4 incorrect repeats dropped" in report.source
+
+    where, stats = sample_pairs(cfg, resolve_model_path(cfg.model, cfg.data)[0])  # a cache hit
+    assert calls == [20, 12] and stats["train"]["prompts with both"] == 4 and stats["eval"]["pairs"] == 4
+    prompts = {split: _prompts(cfg, split, None) for split in ("train", "eval")}
+    assert where.name == cache_key(cfg, stats["model"], prompts)
+    for change in ("rm.sample_seed=1", "rollout.temperature=0.5", "rm.samples_per_prompt=8"):
+        assert cache_key(compose(*keys, change), stats["model"], prompts) != where.name, change

@@ -4,16 +4,17 @@
     out = manager(responses, ground_truths)      # out.score [N], out.acc [N], out.parts, out.metrics
     manager.close()
 
-    manager = RewardManager.for_run(cfg, tokenizer)   # the loop's: also loads reward.rm when weights has rm
-    batch, counts = manager.reward_batch(batch)       # stage 2 on a RolloutBatch: every part, the model's too
+    manager = RewardManager.for_run(cfg, tokenizer)   # the loop's: also loads reward.rm / reward.judge when used
+    batch, counts = manager.reward_batch(batch)       # stage 2 on a RolloutBatch: every part, the models' too
 
 The formula and the failure rules are in rlcli/rewards/config.py and docs/rewards.md. The reward functions
-run in sandbox workers on the response text; the reward model's part (`rm`, rlcli/rewards/model.py) reads the
-prompt as well, so `reward_batch` adds it in this process, into the same score.
+run in sandbox workers on the response text; the model parts (`rm`, a reward model, rlcli/rewards/model.py; `judge`,
+a generative judge, rlcli/rewards/judge.py; one interface, rlcli/rewards/scorer.py) read the prompt as well, so
+`reward_batch` adds them in this process, into the same score.
 
 This package does not import torch at module level: every sandbox worker imports this package (for
 the reward functions) and must stay small and quick to start. torch is imported where the score
-tensors are built, and rlcli.rewards.model only when a reward model is loaded.
+tensors are built, and a model part's module only when it is used.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from rlcli.rewards.config import MODEL_PART, RewardConfig, group_base, store_group_schema, validate
+from rlcli.rewards.config import MODEL_PARTS, RewardConfig, group_base, store_group_schema, validate
 from rlcli.rewards.functions import REWARDS, extract_final_answer
 from rlcli.rewards.pool import SandboxPool, TaskResult
 
@@ -52,7 +53,7 @@ class RewardOutput:
 
     score: torch.Tensor
     """[N] float32, the reward functions' weighted sum Σ_k w_k · v_k (math_verify mapped to correct/incorrect); the
-    reward model's part, if any, is reward_batch's to add."""
+    model parts (rm, judge), if any, are reward_batch's to add."""
     acc: torch.Tensor
     """[N] float32 in {0, 1}, math-verify correctness, computed even when math_verify has no weight."""
     parts: dict[str, torch.Tensor]
@@ -63,19 +64,19 @@ class RewardOutput:
 
 class RewardManager:
     """Scores responses against ground truths with the configured reward functions, and (reward_batch) the
-    prompts and responses of a rollout batch with the reward model too, when `scorer` is given."""
+    prompts and responses of a rollout batch with the model parts too (rm, judge), given their `scorers`."""
 
-    def __init__(self, cfg: RewardConfig | Any, scorer: Any = None):
-        """`scorer`: the `rm` part's ModelScorer (rlcli.rewards.model), owned from here on; None without one
-        (`__call__` never needs it: evaluation reads acc alone)."""
+    def __init__(self, cfg: RewardConfig | Any, scorers: dict[str, Any] | None = None):
+        """`scorers`: model part -> its scorer (rlcli.rewards.scorer), owned from here on; none where the batches
+        are made elsewhere (`__call__` never needs them: evaluation reads acc alone)."""
         if not isinstance(cfg, RewardConfig):  # a composed DictConfig
             from omegaconf import OmegaConf
 
             cfg = OmegaConf.to_object(cfg)
         validate(cfg)
-        self.cfg, self.scorer = cfg, scorer
+        self.cfg, self.scorers = cfg, dict(scorers or {})
         self.weights = {name: float(w) for name, w in cfg.weights.items()}
-        self.functions = {name: w for name, w in self.weights.items() if name != MODEL_PART}  # the sandbox's parts
+        self.functions = {name: w for name, w in self.weights.items() if name not in MODEL_PARTS}  # the sandbox's
         spec = {
             "parts": list(self.functions),
             "custom": dict(cfg.custom),
@@ -94,19 +95,17 @@ class RewardManager:
 
     @classmethod
     def for_run(cls, cfg: Any, tokenizer: Any, with_model: bool = True) -> RewardManager:
-        """The rewards of a run (root config `cfg`) that generates with the policy `tokenizer`: reward.rm's model is
-        loaded here, on this process's device, when reward.weights has rm and `with_model` (false where another
-        process makes the batches: a training rank with rollout ranks of its own)."""
-        scorer = None
-        if MODEL_PART in cfg.reward.weights and with_model:
-            from rlcli.rewards.model import ModelScorer
+        """The rewards of a run (root config `cfg`) that generates with the policy `tokenizer`: each model part in
+        reward.weights (reward.rm's model, reward.judge) is loaded here, on this process's device, when `with_model`
+        (false where another process makes the batches: a training rank with rollout ranks of its own)."""
+        from rlcli.rewards.scorer import build_scorer
 
-            scorer = ModelScorer.of_run(cfg, tokenizer)
-        return cls(cfg.reward, scorer)
+        parts = [p for p in MODEL_PARTS if p in cfg.reward.weights] if with_model else []
+        return cls(cfg.reward, {p: build_scorer(p, cfg, tokenizer) for p in parts})
 
     def __call__(self, responses: Sequence[str], ground_truths: Sequence[str]) -> RewardOutput:
-        """The reward functions' parts, from the texts alone: every part but the reward model's (`rm` reads the
-        prompt too; `reward_batch` adds it)."""
+        """The reward functions' parts, from the texts alone: every part but the model parts (they read the prompt
+        too; `reward_batch` adds them)."""
         import torch
 
         if len(responses) != len(ground_truths):
@@ -147,22 +146,24 @@ class RewardManager:
     def reward_batch(self, b: Any) -> tuple[Any, dict[str, float]]:
         """Stage 2 of the loop on a RolloutBatch `b`: -> (`b` with its task reward `scores` [N], correctness
         `acc` [N] and each part's raw value `extras["reward/<name>"]` [N]; the verifier's
-        timeout/error/restart counts, which add up over generation batches and ranks). The reward model's part
-        adds weight x its score normalised over this batch (reward.rm.normalize, .clip); its raw score is the
-        part. A multi-turn row's environment reward (`extras["env/reward"]`, rlcli.envs) adds to its score."""
+        timeout/error/restart counts and the model parts' counts (reward/judge_errors, ...), which add up over
+        generation batches and ranks). A model part adds weight x its value (rm: the score normalised over this
+        batch, reward.rm.normalize, .clip; judge: the verdict); its raw value is the part. A multi-turn row's
+        environment reward (`extras["env/reward"]`, rlcli.envs) adds to its score."""
         out = self(b.texts, b.answers)
         parts, score = dict(out.parts), out.score
-        if MODEL_PART in self.weights:
-            if self.scorer is None:
-                raise RuntimeError(f"reward.weights has {MODEL_PART} but this RewardManager has no reward model: "
-                                   "build it with RewardManager.for_run(cfg, tokenizer)")
-            from rlcli.rewards.model import normalized
-
-            parts[MODEL_PART] = self.scorer(b)  # [N] raw
-            rm = self.cfg.rm
-            score = score + self.weights[MODEL_PART] * normalized(parts[MODEL_PART], rm.normalize, rm.clip)
-        extras = {**b.extras, **{f"reward/{k}": v for k, v in parts.items()}}
         counts = {f"reward/{k}": out.metrics[f"reward/{k}"] for k in ("timeouts", "errors", "restarts")}
+        more: dict[str, Any] = {}
+        for part in (p for p in MODEL_PARTS if p in self.weights):
+            if part not in self.scorers:
+                raise RuntimeError(f"reward.weights has {part} but this RewardManager has no scorer for it: "
+                                   "build it with RewardManager.for_run(cfg, tokenizer)")
+            scored = self.scorers[part](b)
+            parts[part] = scored.raw  # [N]
+            score = score + self.weights[part] * scored.value
+            more.update(scored.extras)
+            counts.update({f"reward/{k}": v for k, v in scored.counts.items()})
+        extras = {**b.extras, **{f"reward/{k}": v for k, v in {**parts, **more}.items()}}
         scores = score + b.extras["env/reward"] if "env/reward" in b.extras else score.clone()
         return b.replace(scores=scores, acc=out.acc, extras=extras), counts
 
@@ -173,9 +174,11 @@ class RewardManager:
             log.warning("reward: %s (further failures of this kind are only counted)", message[:300])
 
     def close(self) -> None:
-        """Stop the sandbox workers (also done at interpreter exit) and let the reward model go."""
+        """Stop the sandbox workers (also done at interpreter exit) and let the model parts go."""
         self.pool.close()
-        self.scorer = None
+        for scorer in self.scorers.values():
+            scorer.close()
+        self.scorers = {}
 
     def __enter__(self) -> RewardManager:
         return self

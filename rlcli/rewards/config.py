@@ -7,6 +7,7 @@ Scoring (docs/rewards.md#scoring), per response i:
     v_k,i = the raw value of reward function k, for every other part
 
     v_rm,i = the reward model's score of (prompt_i, response_i), normalised by reward.rm.normalize (rm only)
+    v_judge,i = a generative judge's verdict on (prompt_i, response_i, reference_i), mapped to [0, 1] (judge only)
 
 ``acc`` (math-verify correctness) is computed for every response even when ``math_verify`` has no
 weight: metrics and dynamic sampling need it. A response whose verification times out or errors
@@ -31,13 +32,34 @@ from rlcli.schema import ConfigError, check_ranges, rng
 
 # Metric names the manager emits besides "reward/<part>"; a part may not take one of them, nor
 # the trainer's reward/mean and reward/std (docs/metrics.md).
-RESERVED_NAMES = ("timeouts", "errors", "restarts", "mean", "std", "pool_mean", "rm_std")
+RESERVED_NAMES = ("timeouts", "errors", "restarts", "mean", "std", "pool_mean", "rm_std", "judge_errors",
+                  "judge_unparsed", "judge_cached")
 
 MODEL_PART = "rm"
 """The part a reward model scores (reward=rm, rlcli/rewards/model.py): it reads the prompt as well as the response, so
 it runs in the process that holds the batch, never in a sandbox worker; the name is no reward function's."""
+JUDGE_PART = "judge"
+"""The part a generative judge scores (reward=judge, rlcli/rewards/judge.py); like rm, in the process that holds the
+batch."""
+MODEL_PARTS = (MODEL_PART, JUDGE_PART)
+"""The parts scored by a model beside the sandboxed reward functions (rlcli.rewards.scorer.SCORERS)."""
 
 NORMALIZE = ("none", "batch")
+VERDICTS = ("score", "yes_no")
+ON_ERROR = ("fail", "zero")
+
+RUBRICS = {
+    "score": (
+        "You are grading a response to a task. Rate how correct and helpful the response is on a scale from "
+        "{min} to {max}.\n\n[Task]\n{prompt}\n\n[Reference answer]\n{reference}\n\n[Response]\n{response}\n\n"
+        "Reply with one line and nothing else: Score: <a number from {min} to {max}>"
+    ),
+    "yes_no": (
+        "You are grading a response to a task. Is the response correct?\n\n[Task]\n{prompt}\n\n"
+        "[Reference answer]\n{reference}\n\n[Response]\n{response}\n\nReply with one word: yes or no."
+    ),
+}
+"""The built-in rubric of each reward.judge.verdict (reward.judge.rubric=null)."""
 
 
 @dataclass
@@ -56,6 +78,51 @@ class RewardModelConfig:
     group estimators (grpo, rloo, ...) ignore a per-group offset anyway. reward/rm logs the raw mean."""
     clip: float | None = rng(None, gt=0, why="null = no bound")
     """Bound the (normalised) score to [-clip, clip], against a few outlying scores (reward hacking's first sign)."""
+
+
+@dataclass
+class JudgeConfig:
+    """reward.judge.*: a generative judge as the `judge` part of the task reward (docs/reward_models.md#rewardjudge).
+    Exactly one backend: an OpenAI-compatible server (url + model) or a local model run in the job (path)."""
+
+    url: str | None = None
+    """An OpenAI-compatible server's base URL (http(s)://host:port, with or without /v1), e.g. `vllm serve`'s; rlcli
+    posts to <url>/v1/chat/completions."""
+    model: str | None = None
+    """The model name the server serves (required with url; `vllm serve --served-model-name`)."""
+    api_key_env: str | None = None
+    """The environment variable holding the server's API key, sent as `Authorization: Bearer` (never logged); null
+    = no key (a local vllm serve)."""
+    path: str | None = None
+    """A local causal LM directory judged in the job, with rlcli's HF generation (greedy), instead of a server."""
+    rubric: str | None = None
+    """The judge's prompt, with the placeholders {prompt} (the policy's prompt), {response}, {reference} (the task's
+    answer, `(none)` without one), {min} and {max}; null = the built-in rubric of `verdict`
+    (rlcli.rewards.config.RUBRICS). Sent as one user message."""
+    verdict: str = rng("score", choices=VERDICTS)
+    """score (the last `Score: <number>` of the reply, in [min_score, max_score], mapped linearly to [0, 1]) |
+    yes_no (the reply's last word yes -> 1 or no -> 0). A reply without one (or a score out of range) scores 0 and
+    counts in reward/judge_unparsed."""
+    min_score: float = rng(0.0)
+    """The lowest score of verdict=score (maps to 0)."""
+    max_score: float = rng(10.0)
+    """The highest score of verdict=score (maps to 1)."""
+    max_tokens: int = rng(64, ge=1)
+    """Tokens the judge may generate per verdict (greedy, temperature 0)."""
+    concurrency: int = rng(8, ge=1)
+    """Requests in flight at once to the server (threads)."""
+    timeout_s: float = rng(60.0, gt=0)
+    """Per-request timeout in seconds (connect and read)."""
+    retries: int = rng(3, ge=0)
+    """Further attempts of a request that failed (connection refused, timeout, HTTP 5xx/408/429, a reply without a
+    message), after 1, 2, 4, ... x backoff_s seconds."""
+    backoff_s: float = rng(1.0, ge=0)
+    """The first retry's wait; each later one waits twice as long."""
+    on_error: str = rng("fail", choices=ON_ERROR)
+    """fail (the step stops with an error naming the judge, before any update: the last checkpoint stays the
+    latest) | zero (an unanswered request scores 0 and counts in reward/judge_errors)."""
+    batch_size: int = rng(8, ge=1)
+    """Prompts per generate call of a local judge (path; memory only)."""
 
 
 @dataclass
@@ -89,6 +156,8 @@ class RewardConfig:
     """Longer responses (or ground truths) are rejected unparsed and count as errors (20k tokens fit)."""
     rm: RewardModelConfig = field(default_factory=RewardModelConfig)
     """The reward model of the `rm` part (reward=rm): read only when reward.weights has rm."""
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    """The generative judge of the `judge` part (reward=judge): read only when reward.weights has judge."""
 
     def function_options(self) -> dict[str, Any]:
         """The keyword options every built-in reward function receives."""
@@ -123,7 +192,7 @@ def validate(cfg: Any, prefix: str = "reward") -> None:
     """Raise ConfigError naming the offending key if `cfg` (RewardConfig or DictConfig) is unusable."""
     check_ranges(cfg, RewardConfig, prefix + ".")
     custom = dict(cfg.custom)
-    valid = sorted(set(REWARDS) | set(custom) | {MODEL_PART})
+    valid = sorted(set(REWARDS) | set(custom) | set(MODEL_PARTS))
     if not cfg.weights:
         raise ConfigError(f"{prefix}.weights is empty; select a reward, e.g. {prefix}=math_verify")
     for name in cfg.weights:
@@ -133,7 +202,7 @@ def validate(cfg: Any, prefix: str = "reward") -> None:
                 f"(add user functions under {prefix}.custom)"
             )
     for name, path in custom.items():
-        if name in REWARDS or name in RESERVED_NAMES or name == MODEL_PART:
+        if name in REWARDS or name in RESERVED_NAMES or name in MODEL_PARTS:
             raise ConfigError(f"{prefix}.custom.{name}: the name {name!r} is taken; choose another")
         if "." not in path.strip("."):
             raise ConfigError(f"{prefix}.custom.{name}={path!r} must be a dotted path 'pkg.module.fn'")
@@ -148,11 +217,55 @@ def validate(cfg: Any, prefix: str = "reward") -> None:
         raise ConfigError(f"{prefix}.rm.path={cfg.rm.path} is set, but {prefix}.weights has no {MODEL_PART}: add "
                           f"{prefix}=[...,{MODEL_PART}] ({prefix}.weights.{MODEL_PART}=0 only logs it), or drop "
                           f"{prefix}.rm.path")
+    validate_judge(cfg, prefix)
     if cfg.correct_score <= cfg.incorrect_score:
         raise ConfigError(
             f"{prefix}.correct_score={cfg.correct_score} must exceed "
             f"{prefix}.incorrect_score={cfg.incorrect_score}"
         )
+
+
+def validate_judge(cfg: Any, prefix: str = "reward") -> None:
+    """reward.judge: exactly one backend with reward=judge, none without it; a URL that is one; a rubric that shows the
+    judge the response; a score range that is one."""
+    j, key = cfg.judge, f"{prefix}.judge"
+    if JUDGE_PART not in cfg.weights:
+        if j.url is not None or j.path is not None:
+            raise ConfigError(f"{key}.{'url' if j.url is not None else 'path'} is set, but {prefix}.weights has no "
+                              f"{JUDGE_PART}: add {prefix}=[...,{JUDGE_PART}] ({prefix}.weights.{JUDGE_PART}=0 only logs "
+                              "it), or drop it")
+        return
+    if (j.url is None) == (j.path is None):
+        raise ConfigError(f"{prefix}.weights.{JUDGE_PART} needs exactly one judge: {key}.url=http://host:port (an "
+                          f"OpenAI-compatible server, with {key}.model=<served name>) or {key}.path=<a local model "
+                          f"directory>; got {'both' if j.url is not None else 'neither'}")
+    if j.url is not None:
+        if not str(j.url).startswith(("http://", "https://")) or len(str(j.url).split("://", 1)[1].strip("/")) == 0:
+            raise ConfigError(f"{key}.url={j.url} is not an http(s):// URL: e.g. {key}.url=http://127.0.0.1:8000")
+        if not j.model:
+            raise ConfigError(f"{key}.url={j.url} needs {key}.model=<the name the server serves> (vllm serve: its "
+                              "--served-model-name, else the model path it was given)")
+    if j.rubric is not None and "{response}" not in j.rubric:
+        raise ConfigError(f"{key}.rubric has no {{response}} placeholder: the judge would never see the response "
+                          "(placeholders: {prompt} {response} {reference} {min} {max})")
+    if j.verdict == "score" and j.max_score <= j.min_score:
+        raise ConfigError(f"{key}.max_score={j.max_score} must exceed {key}.min_score={j.min_score}")
+
+
+def check_judge(cfg: Any, prefix: str = "reward") -> None:
+    """`rlcli train`, before anything loads (reward.weights has judge): the API key's variable is set, a local judge's
+    directory exists. Torch-free and network-free (the server is first asked in step 1)."""
+    import os
+
+    j, key = cfg.judge, f"{prefix}.judge"
+    if JUDGE_PART not in cfg.weights:
+        return
+    if j.api_key_env is not None and not os.environ.get(j.api_key_env):
+        raise ConfigError(f"{key}.api_key_env={j.api_key_env}: the environment variable {j.api_key_env} is not set "
+                          f"or empty: export it, or {key}.api_key_env=null for a server without a key")
+    if j.path is not None and not os.path.isfile(os.path.join(os.path.expanduser(j.path), "config.json")):
+        raise ConfigError(f"{key}.path={j.path} is not a model directory (no config.json): point it at a causal LM "
+                          "saved with save_pretrained")
 
 
 def check_reward_model(cfg: Any, prefix: str = "reward") -> None:

@@ -67,10 +67,13 @@ def end_of_turn(tokenizer: Any) -> str:
 
 
 class ModelScorer:
-    """The reward model of reward=rm and what it needs to read a RolloutBatch: -> raw scores [N] fp32 on the CPU."""
+    """The reward model of reward=rm and what it needs to read a RolloutBatch: a scorer (rlcli.rewards.scorer) whose raw
+    value is the model's score [N] fp32 on the CPU, and whose value is that normalised (`normalize`, `clip`)."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, policy_tokenizer: Any, chat: bool, batch_size: int):
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, policy_tokenizer: Any, chat: bool, batch_size: int,
+                 normalize: str, clip: float | None):
         self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
+        self.normalize, self.clip = normalize, clip
         self.policy_tokenizer = policy_tokenizer
         self.end_of_turn = end_of_turn(policy_tokenizer) if chat else ""
 
@@ -93,7 +96,7 @@ class ModelScorer:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cfg.hw.device == "cuda" else "cpu"
         model.to(device).eval().requires_grad_(False)
         return cls(model, tokenizer, policy_tokenizer, use_chat_template(cfg.data.chat, policy_tokenizer),
-                   rm.batch_size)
+                   rm.batch_size, rm.normalize, rm.clip)
 
     def texts(self, b: Any) -> tuple[list[str], list[str]]:
         """(prompts, responses) [N] each: the texts `rlcli rm` trained on for the rows of RolloutBatch `b`."""
@@ -102,6 +105,15 @@ class ModelScorer:
         responses = [text + ("" if cut else self.end_of_turn) for text, cut in zip(b.texts, b.truncated.tolist())]
         return prompts, responses
 
-    def __call__(self, b: Any) -> Tensor:
+    def scores(self, b: Any) -> Tensor:
         """The reward model's score of each row of `b`: [N] fp32, batched (reward.rm.batch_size), no gradient."""
         return score(self.model, self.tokenizer, *self.texts(b), batch_size=self.batch_size)
+
+    def __call__(self, b: Any) -> Any:
+        from rlcli.rewards.scorer import Scored
+
+        raw = self.scores(b)  # [N]
+        return Scored(raw=raw, value=normalized(raw, self.normalize, self.clip))
+
+    def close(self) -> None:
+        self.model = None

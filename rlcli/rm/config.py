@@ -12,7 +12,7 @@ from typing import Any
 from rlcli.data.config import CHAT_MODES
 from rlcli.schema import ConfigError, check_ranges, rng
 
-SOURCES = ("arith", "file")
+SOURCES = ("arith", "samples", "file")
 
 
 @dataclass
@@ -23,7 +23,9 @@ class RMConfig:
     """Preset name, for logs."""
     source: str = rng("arith", choices=SOURCES)
     """Where pairs come from: arith (the embedded task: the same prompt with a correct worked solution as `chosen`
-    and a flawed one as `rejected`; operand digits from data.min_digits..data.max_digits) | file (rm.train_path)."""
+    and a flawed one as `rejected`; operand digits from data.min_digits..data.max_digits) | samples (the model's own
+    samples on the run's task, data.*, graded by the verifier: a correct and an incorrect reply to the same prompt;
+    built once and cached; rlcli/rm/samples.py) | file (rm.train_path)."""
     train_path: str | None = None
     """source=file: JSONL (.jsonl/.json), Parquet (.parquet) or a `datasets.save_to_disk` directory, one pair per
     row; `pkg://rlcli/...` = a file shipped in the package."""
@@ -57,9 +59,17 @@ class RMConfig:
     (Eisenstein et al. 2023, arXiv:2312.09244; TRL RewardTrainer's center_rewards_coefficient, whose docs suggest
     0.01). 0 = the plain Bradley-Terry loss (InstructGPT, Llama 2)."""
     train_size: int | None = rng(20000, ge=1, why="null = all rows")
-    """Training pairs: arith generates this many; files keep at most this many usable rows, in file order."""
+    """Training pairs: arith generates this many; samples and files keep at most this many, in order."""
     eval_size: int | None = rng(200, ge=1, why="null = all rows")
     """Held-out pairs for eval/pair_accuracy: arith generates this many; files keep at most this many."""
+    sample_prompts: int = rng(1000, ge=1)
+    """source=samples: training prompts sampled, the first this many distinct prompts of data's train split (the
+    held-out pairs come from every distinct prompt of data's eval split)."""
+    samples_per_prompt: int = rng(8, ge=2)
+    """source=samples: responses sampled per prompt, as the RL rollout samples them (rollout.temperature, top_p,
+    top_k, max_new_tokens); a prompt gives pairs when at least one is correct and one incorrect."""
+    sample_seed: int = rng(0, ge=0, lt=2**32)
+    """source=samples: seed of the sampling (independent of `seed`, so reward models of a seed sweep share pairs)."""
     eval_every: int = rng(0, ge=0, why="0 = only before and after training")
     """Held-out pair accuracy every this many steps (0 = only before and after training)."""
     report_bad_rows: int = rng(5, ge=0)
@@ -73,11 +83,11 @@ def validate(cfg: Any) -> None:
 
     rm = cfg.rm
     check_ranges(rm, RMConfig, "rm.")
-    if rm.source == "arith":
+    if rm.source in ("arith", "samples"):
         if rm.train_path is not None or rm.eval_path is not None:
-            raise ConfigError("rm.train_path/rm.eval_path are set but rm.source=arith: set rm.source=file")
+            raise ConfigError(f"rm.train_path/rm.eval_path are set but rm.source={rm.source}: set rm.source=file")
         for key in ("train_size", "eval_size"):
-            if getattr(rm, key) is None:
+            if rm.source == "arith" and getattr(rm, key) is None:
                 raise ConfigError(f"rm.{key}=null: the arith pairs are generated, a fixed number of them; give one")
     elif not rm.train_path:
         raise ConfigError("rm.source=file needs rm.train_path (a .jsonl, .parquet or datasets directory of "

@@ -1,13 +1,15 @@
 """Preference pairs `{"prompt", "chosen", "rejected", "margin"}` for `rlcli rm`: texts the reward model reads as
 `prompt + chosen` and `prompt + rejected` (rlcli.rm.model.encode), and a LoadReport of what was dropped and why.
 
-Two sources (`rm.source`):
+Three sources (`rm.source`):
   arith  the embedded task (rlcli/data/arith.py): each problem's correct worked solution is `chosen`; `rejected`
          is the same problem worked with a carry slip and computed on from it, so its \\boxed{} answer is wrong:
          a forgotten carry or borrow (the slip the tiny policy's warm start demonstrates and RL must unlearn:
          rlcli/sft.py's carry_slip), for half the problems that have one, or a carry taken where none is due
          (the opposite slip, so that "more +1 is better" is no shortcut). The problems split as the task's do (a
          hash of the problem text), so no held-out pair's problem is ever trained on.
+  samples  the policy's own samples on the run's task graded by the verifier: a correct and an incorrect reply to the
+         same prompt, built once and cached (rlcli/rm/samples.py).
   file   JSONL / Parquet / `datasets` directories read by rlcli.data.loaders (the same readers, formats,
          `pkg://` paths, hash hold-out and bad-row accounting as data.*), one pair a row: rm.prompt_key,
          rm.chosen_key, rm.rejected_key (dotted paths, `a|b` alternatives) and optionally rm.margin_key. A prompt is a
@@ -182,9 +184,15 @@ def load_pairs(cfg: Any, split: str, tokenizer: Any) -> tuple[list[Pair], LoadRe
     summary's). Lengths are measured as the reward model reads a pair: tokenizer(prompt + response)."""
     rm = cfg.rm
     size = rm.train_size if split == "train" else rm.eval_size
-    if rm.source == "arith":
-        pairs = arith_pairs(split, size, cfg.data.min_digits, cfg.data.max_digits)
-        report = LoadReport(split=f"rm {split}", source="the embedded arith pairs", generated=True)
+    if rm.source in ("arith", "samples"):
+        if rm.source == "arith":
+            pairs, source = arith_pairs(split, size, cfg.data.min_digits, cfg.data.max_digits), "the embedded arith pairs"
+        else:
+            from rlcli.models import resolve_model_path
+            from rlcli.rm.samples import load_sample_pairs
+
+            pairs, source = load_sample_pairs(cfg, split, resolve_model_path(cfg.model, cfg.data)[0])
+        report = LoadReport(split=f"rm {split}", source=source, generated=True)
         rows = [(i + 1, p["prompt"], p) for i, p in enumerate(pairs)]
     else:
         key = _key(rm, split)

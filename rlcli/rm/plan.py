@@ -108,6 +108,11 @@ def measure_pairs(cfg: Any) -> tuple[int, str]:
     tokenizer = load_tokenizer(tokenizer_source(cfg.model), cfg.model.trust_remote_code)
     logging.disable(logging.WARNING)  # the trainer reports the load (kept, dropped, bad rows)
     try:
+        if cfg.rm.source == "samples":  # sampled once the weights load: the task's longest prompt + the budget
+            from rlcli.rm.samples import longest_prompt
+
+            bound = longest_prompt(cfg, tokenizer) + cfg.rollout.max_new_tokens + 8
+            return bound, "bound: the longest prompt + rollout.max_new_tokens + 8 (the pairs are not sampled yet)"
         pairs = [p for split in ("train", "eval") for p in load_pairs(cfg, split, tokenizer)[0]]
     finally:
         logging.disable(logging.NOTSET)

@@ -1,0 +1,267 @@
+"""The `judge` part of the task reward (reward=judge, docs/reward_models.md#rewardjudge): a generative judge reads a
+rubric holding the policy's prompt, the response and the task's reference answer, and its reply is parsed to a verdict
+in [0, 1]. Greedy (temperature 0), so a resumed run equals a straight one.
+
+Two backends, one interface `ask(list of rubric texts) -> list of reply texts | None (no answer)`:
+  ServerJudge  an OpenAI-compatible server (reward.judge.url, .model): POST <url>/v1/chat/completions, the rubric as
+               one user message; threads (reward.judge.concurrency), a per-request timeout, bounded retries with
+               exponential back-off. Stdlib urllib: nothing to install, nothing imported at validation.
+  LocalJudge   a local causal LM (reward.judge.path) in this process, through rlcli's HF generation
+               (rlcli.rollout.hf.generate), the rubric rendered with the judge tokenizer's chat template if it has one.
+
+Every reply is cached, keyed by the SHA-256 of the request (the judge's identity, the messages, the sampling
+parameters: never the URL or the key), in run_dir/judge_cache/rank_<r>.jsonl, appended as answers arrive; a
+checkpoint carries a copy (rlcli.checkpoint.CARRIED) and a run resumed from it into another run directory starts
+with it, so no resumed run re-asks what it already has. Failures are not cached.
+
+A request nobody answers (after reward.judge.retries) fails the step with JudgeUnavailable, a one-line error
+naming the judge, raised in stage 2, before any update, so the latest checkpoint is the last good step; or, with
+reward.judge.on_error=zero, scores 0 and counts in reward/judge_errors. A reply without a verdict scores 0 and
+counts in reward/judge_unparsed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from rlcli.rewards.config import RUBRICS
+from rlcli.schema import ConfigError
+
+CACHE_DIR = "judge_cache"
+"""The run-directory folder of the judge's replies (one JSONL file per rank); rlcli.checkpoint carries it."""
+
+_SCORE = re.compile(r"score\W{0,3}?(-?\d+(?:\.\d+)?)", re.IGNORECASE)
+_YES_NO = re.compile(r"\b(yes|no)\b", re.IGNORECASE)
+
+
+class JudgeUnavailable(ConfigError):
+    """The judge did not answer a request after its retries (reward.judge.on_error=fail): the step stops, one line
+    (`rlcli: error: ...`), before any update."""
+
+
+def _number(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+def rubric_text(j: Any, prompt: str, response: str, reference: str) -> str:
+    """The judge's prompt: reward.judge.rubric (or the verdict's built-in one) with its placeholders filled. Plain
+    replacement, not str.format: a rubric or a response may hold braces (\\boxed{})."""
+    text = j.rubric if j.rubric is not None else RUBRICS[j.verdict]
+    fill = {"{min}": _number(j.min_score), "{max}": _number(j.max_score), "{prompt}": prompt,
+            "{reference}": reference or "(none)", "{response}": response}
+    # One pass, so a response holding "{reference}" is not filled in turn.
+    return re.sub("|".join(re.escape(k) for k in fill), lambda m: fill[m.group(0)], text)
+
+
+def parse_verdict(reply: str, verdict: str, lo: float, hi: float) -> float | None:
+    """The reply's verdict in [0, 1], or None without one: score = the last `Score: <n>` (n in [lo, hi]) mapped
+    linearly, yes_no = the last standalone yes (1) or no (0)."""
+    if verdict == "score":
+        found = _SCORE.findall(reply)
+        if not found:
+            return None
+        value = float(found[-1])
+        return (value - lo) / (hi - lo) if lo <= value <= hi else None
+    found = _YES_NO.findall(reply)
+    return None if not found else float(found[-1].lower() == "yes")
+
+
+class JudgeCache:
+    """Replies by request key: every run_dir/judge_cache/*.jsonl read at start (a partial last line, from a kill
+    while writing, is skipped), new ones appended to this rank's file and flushed (a SIGKILL loses none)."""
+
+    def __init__(self, run_dir: str):
+        self.dir = os.path.join(run_dir, CACHE_DIR)
+        os.makedirs(self.dir, exist_ok=True)
+        self.replies: dict[str, str] = {}
+        for name in sorted(os.listdir(self.dir)):
+            if name.endswith(".jsonl"):
+                with open(os.path.join(self.dir, name)) as f:
+                    for line in f:
+                        try:
+                            row = json.loads(line)
+                            self.replies[row["key"]] = row["reply"]
+                        except (ValueError, KeyError, TypeError):
+                            continue
+        self.file = open(os.path.join(self.dir, f"rank_{os.environ.get('RANK', '0')}.jsonl"), "a")  # noqa: SIM115
+
+    def get(self, key: str) -> str | None:
+        return self.replies.get(key)
+
+    def put(self, new: dict[str, str]) -> None:
+        for key, reply in new.items():
+            self.replies[key] = reply
+            self.file.write(json.dumps({"key": key, "reply": reply}) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def request_key(request: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(request, sort_keys=True).encode()).hexdigest()
+
+
+def endpoint(url: str) -> str:
+    """<url>/v1/chat/completions, whether `url` ends at the host, at /v1 or at the full path."""
+    url = url.rstrip("/")
+    if url.endswith("/chat/completions"):
+        return url
+    return url + ("/chat/completions" if url.endswith("/v1") else "/v1/chat/completions")
+
+
+class ServerJudge:
+    """An OpenAI-compatible chat-completions server. `ask` -> each reply, None where the request failed after
+    reward.judge.retries (the last failure in `self.last_error`)."""
+
+    def __init__(self, j: Any):
+        self.j, self.url = j, endpoint(j.url)
+        self.identity = {"backend": "server", "model": j.model}
+        self.last_error = ""
+        key = os.environ.get(j.api_key_env, "") if j.api_key_env else ""
+        self._headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+
+    def request(self, text: str) -> dict[str, Any]:
+        """The body of one request (greedy), also what the cache key hashes (with the model's name)."""
+        return {"model": self.j.model, "messages": [{"role": "user", "content": text}], "temperature": 0.0,
+                "max_tokens": self.j.max_tokens}
+
+    def _once(self, body: bytes) -> str:
+        req = urllib.request.Request(self.url, data=body, headers=self._headers, method="POST")
+        with urllib.request.urlopen(req, timeout=self.j.timeout_s) as resp:
+            reply = json.loads(resp.read())["choices"][0]["message"]["content"]
+        if not isinstance(reply, str):
+            raise ValueError(f"a reply without a message ({type(reply).__name__})")
+        return reply
+
+    def _ask_one(self, text: str) -> str | None:
+        body = json.dumps(self.request(text)).encode()
+        for attempt in range(self.j.retries + 1):
+            try:
+                return self._once(body)
+            except urllib.error.HTTPError as e:
+                self.last_error = f"HTTP {e.code} {e.reason}"
+                if 400 <= e.code < 500 and e.code not in (408, 429):  # the request itself is wrong: retrying won't help
+                    return None
+            except (OSError, ValueError, KeyError, IndexError, TypeError) as e:  # refused, timed out, not JSON, ...
+                reason = getattr(e, "reason", None)
+                self.last_error = f"{type(e).__name__}: {reason if reason is not None else e}"
+            if attempt < self.j.retries:
+                time.sleep(self.j.backoff_s * 2**attempt)
+        return None
+
+    def ask(self, texts: Sequence[str]) -> list[str | None]:
+        with ThreadPoolExecutor(max_workers=min(self.j.concurrency, max(len(texts), 1))) as pool:
+            return list(pool.map(self._ask_one, texts))
+
+    def describe(self) -> str:
+        return f"reward.judge.url={self.j.url} (model {self.j.model})"
+
+    def close(self) -> None:
+        pass
+
+
+class LocalJudge:
+    """A local causal LM judged in this process: greedy HF generation (rlcli.rollout.hf.generate), the rubric as a
+    user turn of the judge tokenizer's chat template (plain text without one). It always answers."""
+
+    def __init__(self, j: Any, cfg: Any):
+        import torch
+        from omegaconf import OmegaConf
+
+        from rlcli.models import load_policy
+
+        self.j, self.last_error = j, ""
+        self.identity = {"backend": "local", "path": os.path.abspath(os.path.expanduser(j.path))}
+        model_cfg = OmegaConf.merge(cfg.model, {"path": j.path, "tokenizer_path": None, "gradient_checkpointing": False,
+                                                "lora": {"r": 0}})
+        self.model, self.tokenizer = load_policy(model_cfg, j.path)
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cfg.hw.device == "cuda" else "cpu"
+        self.model.to(device).eval().requires_grad_(False)
+
+    def request(self, text: str) -> dict[str, Any]:
+        if getattr(self.tokenizer, "chat_template", None):
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                      add_generation_prompt=True)
+        return {"prompt": text, "temperature": 0.0, "max_tokens": self.j.max_tokens}
+
+    def ask(self, texts: Sequence[str]) -> list[str | None]:
+        import torch
+
+        from rlcli.rollout.hf import generate
+
+        prompts = [self.request(t)["prompt"] for t in texts]
+        with torch.no_grad():
+            b = generate(self.model, self.tokenizer, prompts, [""] * len(prompts), 1, self.j.max_tokens, 0.0,
+                         batch_size=self.j.batch_size)
+        return list(b.texts)
+
+    def describe(self) -> str:
+        return f"reward.judge.path={self.j.path}"
+
+    def close(self) -> None:
+        self.model = None
+
+
+class JudgeScorer:
+    """reward=judge's scorer (rlcli.rewards.scorer): a RolloutBatch -> Scored, raw = value = verdicts [N] in [0, 1]."""
+
+    def __init__(self, backend: Any, j: Any, run_dir: str, policy_tokenizer: Any):
+        self.backend, self.j, self.policy_tokenizer = backend, j, policy_tokenizer
+        self.cache = JudgeCache(run_dir)
+
+    @classmethod
+    def of_run(cls, cfg: Any, policy_tokenizer: Any) -> JudgeScorer:
+        j = cfg.reward.judge
+        backend = ServerJudge(j) if j.url is not None else LocalJudge(j, cfg)
+        return cls(backend, j, cfg.run_dir, policy_tokenizer)
+
+    def texts(self, b: Any) -> list[str]:
+        """The rubric text of each row [N]: the policy's prompt (decoded, special tokens dropped), the response as
+        the verifiers read it, the task's answer as the reference."""
+        prompts = self.policy_tokenizer.batch_decode([ids[m.bool()] for ids, m in zip(b.prompt_ids, b.prompt_mask)],
+                                                     skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return [rubric_text(self.j, p, r, a) for p, r, a in zip(prompts, b.texts, b.answers)]
+
+    def replies(self, texts: Sequence[str]) -> tuple[list[str | None], list[bool]]:
+        """Each text's reply (None: not answered) and whether the cache held it; only the texts not cached (each
+        distinct one once) are asked, and their answers cached."""
+        keys = [request_key({**self.backend.identity, **self.backend.request(t)}) for t in texts]
+        cached = [self.cache.get(k) is not None for k in keys]
+        todo = {k: t for k, t, hit in zip(keys, texts, cached) if not hit}
+        asked = dict(zip(todo, self.backend.ask(list(todo.values())))) if todo else {}
+        self.cache.put({k: r for k, r in asked.items() if r is not None})
+        return [self.cache.get(k) if hit else asked[k] for k, hit in zip(keys, cached)], cached
+
+    def __call__(self, b: Any) -> Any:
+        import torch
+
+        from rlcli.rewards.scorer import Scored
+
+        replies, cached = self.replies(self.texts(b))
+        errors = sum(r is None for r in replies)
+        if errors and self.j.on_error == "fail":
+            raise JudgeUnavailable(
+                f"the judge {self.backend.describe()} did not answer {errors} of {len(replies)} requests after "
+                f"{self.j.retries} retries (last: {self.backend.last_error}); nothing was updated, the latest "
+                "checkpoint is intact: start the judge (or fix reward.judge.url) and resume with resume=auto, or "
+                "set reward.judge.on_error=zero to score unanswered requests 0")
+        verdicts = [None if r is None else parse_verdict(r, self.j.verdict, self.j.min_score, self.j.max_score)
+                    for r in replies]
+        unparsed = sum(r is not None and v is None for r, v in zip(replies, verdicts))
+        raw = torch.tensor([0.0 if v is None else v for v in verdicts], dtype=torch.float32)  # [N]
+        return Scored(raw=raw, value=raw, extras={"judge_cached": torch.tensor(cached, dtype=torch.float32)},
+                      counts={"judge_errors": float(errors), "judge_unparsed": float(unparsed)})
+
+    def close(self) -> None:
+        self.cache.close()
+        self.backend.close()
