@@ -270,6 +270,17 @@ def task_args(**data_kwargs: Any) -> dict[str, Any]:
     return {k: v for k, v in bound.arguments.items() if k not in ("split", "size", "seed", "carry_slip")}
 
 
+def publish(tmp: Path, final: Path, marker: str) -> None:
+    """Rename the finished cache entry `tmp` (its `marker` file written last) to `final`; if a concurrent build got
+    there first, keep that equivalent entry and drop `tmp`."""
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if not (final / marker).exists():
+            raise
+        shutil.rmtree(tmp)
+
+
 def cache_root(ws_cfg: WarmStartConfig) -> Path:
     """Where warm-start checkpoints live: cache_dir, else $RLCLI_CACHE, else ~/.cache/rlcli."""
     root = ws_cfg.cache_dir or os.environ.get("RLCLI_CACHE") or "~/.cache/rlcli"
@@ -377,12 +388,7 @@ def warm_start(
         save_tiny_tokenizer(tmp, tokenizer)
         # Written last: its presence marks a complete entry.
         (tmp / "warm_start.json").write_text(json.dumps(report, indent=2) + "\n")
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / "warm_start.json").exists():
-                raise
-            shutil.rmtree(tmp)  # a concurrent run finished first; its entry is equivalent
+        publish(tmp, final, "warm_start.json")
         if not trains:
             log.info("tiny model at random init (model.warm_start.enabled=false): %s", final)
         elif greedy is None:

@@ -103,6 +103,7 @@ def sample_pairs(cfg: Any, model_path: str) -> tuple[Path, dict[str, Any]]:
     from rlcli.rewards import RewardConfig, RewardManager
     from rlcli.rewards.model import end_of_turn
     from rlcli.rollout.hf import generate
+    from rlcli.sft import publish
 
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or model_path, cfg.model.trust_remote_code)
     prompts = {split: _prompts(cfg, split, tokenizer) for split in SPLITS}
@@ -159,12 +160,7 @@ def sample_pairs(cfg: Any, model_path: str) -> tuple[Path, dict[str, Any]]:
                     f.writelines(json.dumps(p) + "\n" for p in pairs)
         stats["seconds"] = round(time.perf_counter() - start, 1)
         (tmp / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")  # last: marks a complete entry
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / "stats.json").exists():
-                raise
-            shutil.rmtree(tmp)  # a concurrent build finished first; its entry is equivalent
+        publish(tmp, final, "stats.json")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
