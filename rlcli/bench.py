@@ -103,7 +103,7 @@ def train_steps(overrides: list[str], steps: int = STEPS) -> dict[str, float]:
         trainer.close()  # reward workers, a multi-turn engine's tool workers
     out |= {key: statistics.median(r.get(key, 0.0) for r in rows) for key in MEDIANS
             if key in rows[0] or not key.startswith("rollout_corr/")}
-    out["params_m"] = sum(p.numel() for p in trainer.learner.actor.module.parameters()) / 1e6
+    out["params_m"] = sum(getattr(p, "ds_numel", p.numel()) for p in trainer.learner.actor.module.parameters()) / 1e6
     out["trajectories"] = trainer.units.N
     out["ranks"] = cfg.hw.nproc * cfg.hw.nnodes
     out["tokens_per_step"] = out["trajectories"] * (out["prompt_length/mean"] + out["response_length/mean"])

@@ -51,6 +51,8 @@ SPEED = {  # name -> overrides on top of the shape's
     "hf, ZeRO-0": ["rollout.engine=hf"],
     "hf, ZeRO-3": ["rollout.engine=hf", "hw.zero_stage=3"],
     "hf, ZeRO-0, rollout correction": ["rollout.engine=hf", "algo.rollout_correction=token"],
+    # a reward model of the policy's shape scored on the device beside the verifier ({rm}: its folder, built here)
+    "hf, ZeRO-0, reward model": ["rollout.engine=hf", "reward=[math_verify,rm]", "reward.rm.path={rm}"],
     "vllm, ZeRO-0": ["rollout.engine=vllm"],
     "vllm, ZeRO-0, sleep mode": ["rollout.engine=vllm", "rollout.sleep_mode=true"],
     "vllm, ZeRO-3": ["rollout.engine=vllm", "hw.zero_stage=3"],
@@ -134,6 +136,19 @@ def build_model(shape: dict[str, Any], dtype: str, path: str) -> None:
     Qwen2ForCausalLM(Qwen2Config(**shape)).to(getattr(torch, dtype)).save_pretrained(path)
 
 
+def build_reward_model(shape: dict[str, Any], dtype: str, path: str, tokenizer_dir: Path) -> None:
+    """A scalar-head Qwen2 sequence classifier of `shape` with random weights (seed 1) and the tokenizer of
+    `tokenizer_dir`, saved at `path` as `rlcli rm` saves one (reward.rm.path reads its tokenizer from there)."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassification
+
+    torch.manual_seed(1)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = Qwen2Config(**shape, num_labels=1, pad_token_id=tokenizer.pad_token_id)
+    Qwen2ForSequenceClassification(config).to(getattr(torch, dtype)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
 def child(argv: list[str], timeout: int) -> str:
     """Run `python argv...` in its own process group -> "" or the error's last lines. On timeout the whole group is
     killed: a vLLM engine core or reward workers left behind would hold memory the next configuration measures."""
@@ -185,6 +200,7 @@ SPEED_COLUMNS = [  # header, formatter of one configuration's numbers
     ("update tokens/s", lambda r: f"{r['tokens_per_step'] / r['timing_s/update']:.0f}"),
     ("step s", lambda r: f"{r['timing_s/step']:.2f}"),
     ("rollout s", lambda r: f"{r['timing_s/rollout']:.2f}"),
+    ("reward s", lambda r: f"{r['timing_s/reward']:.2f}"),
     ("update s", lambda r: f"{r['timing_s/update']:.2f}"),
     ("weight push s", lambda r: f"{r['timing_s/sync']:.2f}"),
     ("setup s", lambda r: f"{r['setup_s']:.1f}"),
@@ -263,8 +279,10 @@ def main(argv: list[str] | None = None) -> None:
         (out_dir / "gpu_results.md").write_text(markdown(res))
 
     with tempfile.TemporaryDirectory(prefix="rlcli-gpu-smoke-") as tmp:
-        model_dir = f"{tmp}/model"
-        build_model(shape, "float32" if args.tiny else "bfloat16", model_dir)
+        model_dir, rm_dir, dtype = f"{tmp}/model", f"{tmp}/reward_model", "float32" if args.tiny else "bfloat16"
+        build_model(shape, dtype, model_dir)
+        if any("{rm}" in o for n in wanted for o in SPEED.get(n, [])):
+            build_reward_model(shape, dtype, rm_dir, TOKENIZER_DIR)
         base = ["model=hf", f"model.path={model_dir}", f"model.tokenizer_path={TOKENIZER_DIR}",
                 *(TINY if args.tiny else GPU), *args.overrides]
         for name in [n for n in wanted if n in SPEED]:
@@ -272,7 +290,8 @@ def main(argv: list[str] | None = None) -> None:
             if "vllm" in SPEED[name][0] and not has["vllm"]:
                 res["speed"][name] = {"skipped": "skipped: vllm is not importable here"}
             else:
-                res["speed"][name] = speed([str(args.steps), *base, *SPEED[name]], Path(tmp) / "result.json", args.timeout)
+                overrides = [o.replace("{rm}", rm_dir) for o in SPEED[name]]
+                res["speed"][name] = speed([str(args.steps), *base, *overrides], Path(tmp) / "result.json", args.timeout)
             save()
         if CURVE in wanted:
             print(f"rlcli gpu-smoke: {CURVE}", flush=True)

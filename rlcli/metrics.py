@@ -47,7 +47,7 @@ HEADLINE: tuple[tuple[tuple[str, ...], str, Callable[[float], str]], ...] = (
     (("actor/grad_norm",), "grad_norm", _significant(spec="#.3g")),
     (("actor/lr",), "lr", _significant()),
     (("perf/tokens_per_s",), "tok/s", _fixed(0)),
-    (("perf/peak_mem_gb",), "mem", _significant(unit="GiB", spec=".2f")),
+    (("perf/device_peak_mem_gb", "perf/peak_mem_gb"), "mem", _significant(unit="GiB", spec=".2f")),
     (("timing_s/step",), "s/step", _fixed(2)),
 )
 
@@ -116,6 +116,18 @@ class Timer:
 def peak_mem_gb() -> float:
     """Peak resident memory of this process (CPU), in GiB."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def memory_metrics() -> dict[str, float]:
+    """perf/peak_mem_gb (the process's resident peak) and, where this process uses a CUDA device,
+    perf/device_peak_mem_gb (torch's peak allocated on it): on a GPU the host's resident memory (3.2 GiB for
+    SmolLM2 on an H100, 2026-11-26) says nothing of the device's."""
+    import torch
+
+    out = {"perf/peak_mem_gb": peak_mem_gb()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["perf/device_peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    return out
 
 
 def _clean(metrics: dict[str, Any]) -> dict[str, float]:

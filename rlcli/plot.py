@@ -32,12 +32,19 @@ PANELS = {
 # Held-out accuracy during training, drawn when runs evaluated periodically (eval.every): one curve of the
 # accuracy before training (step 0), every eval.every steps, and after training (last step), unsmoothed.
 HELD_OUT = ("eval/acc_before", "eval/acc", "eval/acc_after")
-HELD_OUT_PANEL = {"eval/acc": "held-out accuracy, greedy (eval/acc)"}
+HELD_OUT_PANEL = "eval/acc"
 CRITIC_PANELS = {
     "critic/explained_var": "critic explained variance",
     "critic/vf_loss": "critic value loss (critic/vf_loss)",
 }
 IGNORED_KEYS = ("seed", "run_dir")  # keys that may differ between the seeds of one group
+
+
+def held_out_title(runs: list[Run]) -> str:
+    """The held-out panel's title, saying how the runs evaluated: greedy, or avg@k at a temperature."""
+    hows = sorted({"greedy" if not (e := r.config.get("eval") or {}).get("temperature")
+                   else f"avg@{e.get('k', 1)} at temperature {e['temperature']:g}" for r in runs})
+    return f"held-out accuracy, {' / '.join(hows)} (eval/acc)"
 
 
 @dataclass
@@ -194,7 +201,7 @@ def figure(groups: list[Group], out: str | Path, title: str | None = None, metri
 
     panels = dict(PANELS)
     if any("eval/acc" in row for g in groups for r in g.runs for row in r.metrics):
-        panels.update(HELD_OUT_PANEL)
+        panels[HELD_OUT_PANEL] = held_out_title([r for g in groups for r in g.runs])
     panels.update({k: t for k, t in CRITIC_PANELS.items() if any(r.series(k)[0] for g in groups for r in g.runs)})
     for key in metrics:
         if not any(r.series(key)[0] for g in groups for r in g.runs):
@@ -213,7 +220,7 @@ def figure(groups: list[Group], out: str | Path, title: str | None = None, metri
             steps, m, s = seed_curve(g, key)
             if not steps:
                 continue
-            w = 1 if key in HELD_OUT_PANEL else max(1, round(len(steps) / 10))
+            w = 1 if key == HELD_OUT_PANEL else max(1, round(len(steps) / 10))
             m, s = smooth(m, w), smooth(s, w)
             ax.plot(steps, m, color=colors(i % 10), label=g.label, lw=1.6)
             if len(g.runs) > 1:

@@ -40,7 +40,7 @@ from rlcli.data import PromptStream, load_split
 from rlcli.engine.collectives import all_reduce, barrier, gather_objects, rank_zero_first
 from rlcli.eval import eval_subset
 from rlcli.learner import Learner, Phase, rl_phase, value_pretrain_phase
-from rlcli.metrics import MetricsLogger, RunLog, Timer, dump_rollouts, headline, peak_mem_gb
+from rlcli.metrics import MetricsLogger, RunLog, Timer, dump_rollouts, headline, memory_metrics
 from rlcli.models import resolve_model_path
 from rlcli.plan import fix_budget, longest_prompt
 from rlcli.rewards import RewardManager
@@ -166,7 +166,7 @@ class Trainer:
         self.state.train_seconds += time.perf_counter() - t0
         return {
             **sampled, **batch_metrics, **kl_metrics, **updated, **timer.metrics(),
-            "timing_s/step": time.perf_counter() - t0, "perf/peak_mem_gb": peak_mem_gb(),
+            "timing_s/step": time.perf_counter() - t0, **memory_metrics(),
         } | ({"perf/tokens_per_s": n_tokens / rollout_s} if rollout_s > 0 else {})
 
     def pretrain_critic(self) -> dict[str, float]:

@@ -215,12 +215,13 @@ def test_gpu_smoke_runs_its_whole_path_at_toy_scale_and_refuses_a_machine_withou
     import sys
 
     out = subprocess.run([sys.executable, "-m", "rlcli.gpu_smoke", "--tiny", "--only", "hf, ZeRO-0, rollout",
-                          "--only", "vllm, ZeRO-0, sleep", "--only", "curve", "--steps", "1", "--curve-steps", "2",
+                          "--only", "hf, ZeRO-0, reward", "--only", "vllm, ZeRO-0, sleep", "--only", "curve", "--steps", "1", "--curve-steps", "2",
                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "RLCLI_CACHE": str(tmp_path / "cache")})  # nothing from the user's cache
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads((tmp_path / "gpu_results.json").read_text())
-    assert list(res["speed"]) == ["hf, ZeRO-0, rollout correction", "vllm, ZeRO-0, sleep mode"]
+    assert list(res["speed"]) == ["hf, ZeRO-0, rollout correction", "hf, ZeRO-0, reward model", "vllm, ZeRO-0, sleep mode"]
+    assert res["speed"]["hf, ZeRO-0, reward model"]["timing_s/reward"] > 0  # the reward model scored every step
     r = res["speed"]["hf, ZeRO-0, rollout correction"]
     assert r["ranks"] == 1 and r["trajectories"] == 4 and r["tokens_per_step"] == 4 * (r["prompt_length/mean"] + r["response_length/mean"])
     assert r["prompt_length/mean"] > 1 and r["response_length/mean"] >= 1
@@ -293,13 +294,14 @@ def test_every_gpu_smoke_configuration_is_a_valid_config(tmp_path):
     from conftest import compose
 
     from rlcli.config import validate
-    from rlcli.gpu_smoke import CURVE_GPU, GPU, SPEED, TINY_SHAPE, build_model
+    from rlcli.gpu_smoke import CURVE_GPU, GPU, SPEED, TINY_SHAPE, build_model, build_reward_model
     from rlcli.models.tiny import TOKENIZER_DIR
 
     build_model(TINY_SHAPE, "bfloat16", str(tmp_path / "model"))
+    build_reward_model(TINY_SHAPE, "bfloat16", str(tmp_path / "rm"), TOKENIZER_DIR)
     base = ["model=hf", f"model.path={tmp_path / 'model'}", f"model.tokenizer_path={TOKENIZER_DIR}", *GPU]
     for name, overrides in SPEED.items():
-        cfg = compose(*base, *overrides)
+        cfg = compose(*base, *(o.replace("{rm}", str(tmp_path / "rm")) for o in overrides))
         validate(cfg)
         assert (cfg.hw.device, cfg.hw.precision, cfg.rollout.engine) == ("cuda", "bf16", name.split(",")[0]), name
     for engine in ("hf", "vllm"):

@@ -377,6 +377,17 @@ def test_plot_draws_a_panel_for_each_metric_asked_for(tmp_path, monkeypatch):
         plot.main([str(tmp_path), "--out", str(tmp_path / "g.png"), "--metrics", "reward/judge"])
 
 
+def test_the_held_out_panel_says_how_the_runs_evaluated():
+    """The held-out panel's title names greedy or avg@k at a temperature (the GPU curve, sampled avg@4, was titled
+    greedy)."""
+    from rlcli.plot import Run, held_out_title
+
+    greedy, sampled = Run(Path("a"), {"eval": {"temperature": 0.0, "k": 1}}), Run(Path("b"), {"eval": {"temperature": 1.0, "k": 4}})
+    assert held_out_title([greedy]) == "held-out accuracy, greedy (eval/acc)"
+    assert held_out_title([sampled]) == "held-out accuracy, avg@4 at temperature 1 (eval/acc)"
+    assert held_out_title([greedy, sampled]) == "held-out accuracy, avg@4 at temperature 1 / greedy (eval/acc)"
+
+
 def test_plot_labels_plain_runs_by_dir_name(tmp_path):
     for seed in (1, 2):
         d = fake_run(tmp_path, seed, 0, seed)

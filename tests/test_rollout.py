@@ -81,6 +81,40 @@ def test_sampling_equals_scoring_for_a_checkpoint_whose_generation_config_change
     assert ((sampled - scored) * mask).abs().max().item() > 0.05
 
 
+def test_recorded_sampler_logprobs_equal_generates_kept_scores_bitwise_without_keeping_them(monkeypatch):
+    """rollout_logp is recorded one step at a time (SampledLogProbs after rlcli's own warpers) instead of
+    generate(output_scores=True), which kept [b, V] scores per step (68 GiB on an H100 at 128 x 256 tokens x a
+    151,936-token vocabulary). Tokens and log-probs must be bit-identical to transformers' own path with the same
+    temperature, top-k and top-p in its config; and generate must not be asked to keep scores."""
+    from transformers import GenerationMixin
+
+    from rlcli.rollout.hf import sample_tokens
+
+    tok = load_tiny_tokenizer()
+    model = build_tiny_model(TinyModelConfig(), tok, seed=0).eval()
+    tok.padding_side = "left"
+    enc = tok(["Q: 313+897=?\nA:", "Q: 1+2=?\nA:", "Q: 45+6=?\nA:"], return_tensors="pt", padding=True,
+              add_special_tokens=False)
+    for temperature, top_k, top_p in [(0.7, 0, 1.0), (1.0, 5, 1.0), (0.9, 7, 0.8)]:
+        torch.manual_seed(0)
+        out = model.generate(**enc, max_new_tokens=12, do_sample=True, temperature=temperature, top_k=top_k,
+                             top_p=top_p, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                             output_scores=True, return_dict_in_generate=True)
+        resp = out.sequences[:, enc["input_ids"].shape[1]:]  # [3, T]
+        kept = torch.stack([s.log_softmax(-1) for s in out.scores], 1).gather(-1, resp[..., None]).squeeze(-1)
+        torch.manual_seed(0)
+        ids, logp = sample_tokens(model, tok, enc["input_ids"], enc["attention_mask"], 12, temperature, top_p, top_k,
+                                  batch_size=8, with_logprobs=True, synced_gpus=False)
+        assert torch.equal(ids, resp) and torch.equal(logp, kept), (temperature, top_k, top_p)
+
+    asked = []
+    real = GenerationMixin.generate
+    monkeypatch.setattr(GenerationMixin, "generate",
+                        lambda self, *a, **k: asked.append(k["generation_config"].output_scores) or real(self, *a, **k))
+    sample_tokens(model, tok, enc["input_ids"], enc["attention_mask"], 4, 1.0, 1.0, 0, 8, True, False)
+    assert len(asked) == 1 and not asked[0]  # None: the default, False
+
+
 def test_chunked_logprobs_and_entropy_equal_the_whole_sequence_pass_with_their_gradients():
     """hw.logits_chunk: the vocabulary projection over 5 response positions at a time (recomputed in
     backward) gives the same log-probs, entropies (1e-6) and parameter gradients (1e-5 of each tensor's

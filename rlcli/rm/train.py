@@ -25,7 +25,7 @@ from rlcli import engine as eng
 from rlcli.algos.functional import bradley_terry_loss, preference_metrics
 from rlcli.data import PromptStream
 from rlcli.engine.collectives import all_reduce, barrier, rank_zero_first
-from rlcli.metrics import MetricsLogger, RunLog, _fixed, _significant, peak_mem_gb
+from rlcli.metrics import MetricsLogger, RunLog, _fixed, _significant, memory_metrics
 from rlcli.models import resolve_model_path
 from rlcli.rm.model import encode, load_reward_model, rewards, score
 from rlcli.rm.pairs import Pair, load_pairs
@@ -166,7 +166,7 @@ class RewardModelTrainer:
         return {
             "rm/loss": float(all_reduce(torch.tensor(loss_sum))), **metrics, "rm/grad_norm": result.grad_norm,
             "rm/lr": self.engine.lr(), "rm/skipped_steps": float(not result.applied),
-            "timing_s/step": time.perf_counter() - t0, "perf/peak_mem_gb": peak_mem_gb(),
+            "timing_s/step": time.perf_counter() - t0, **memory_metrics(),
         }
 
     def pair_rewards(self, pairs: list[Pair]) -> tuple[torch.Tensor, torch.Tensor]:

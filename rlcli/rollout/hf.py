@@ -26,17 +26,52 @@ def response_mask_from_ids(response_ids: Tensor, eos_id: int) -> tuple[Tensor, T
     return mask, truncated
 
 
-def sampling_config(max_new_tokens: int, temperature: float, top_p: float, top_k: int, eos: int, pad: int) -> Any:
-    """The generation config of a rollout, built from `rollout.*` alone: sampling at `temperature`
-    with top-p/top-k (temperature 0 = greedy), and nothing else that changes the distribution."""
+def sampling_config(max_new_tokens: int, temperature: float, eos: int, pad: int) -> Any:
+    """The generation config of a rollout, built from `rollout.*` alone: sampling (temperature 0 = greedy) and
+    nothing else that changes the distribution. Temperature, top-k and top-p are `warpers` (below), not fields."""
     from transformers import GenerationConfig
 
     sample = temperature > 0
-    return GenerationConfig(
-        max_new_tokens=max_new_tokens, do_sample=sample, eos_token_id=eos, pad_token_id=pad, use_cache=True,
-        temperature=temperature if sample else None, top_p=top_p if sample else None,
-        top_k=top_k if sample else None,
-    )
+    return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=sample, eos_token_id=eos, pad_token_id=pad,
+                            use_cache=True, temperature=1.0 if sample else None, top_k=0 if sample else None,
+                            top_p=1.0 if sample else None)
+
+
+def warpers(temperature: float, top_p: float, top_k: int) -> list[Any]:
+    """The logits warpers `generate` builds from temperature, top_k and top_p, in its order. Passed as
+    `logits_processor` they run after generate's own processors (there are none: sampling_config sets none), so
+    a processor appended after them sees the scores that are sampled from."""
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    if temperature <= 0:  # greedy: argmax of the raw scores
+        return []
+    return [*([TemperatureLogitsWarper(temperature)] if temperature != 1.0 else []),
+            *([TopKLogitsWarper(top_k=top_k)] if top_k else []),
+            *([TopPLogitsWarper(top_p=top_p)] if top_p < 1.0 else [])]
+
+
+class SampledLogProbs:
+    """The last logits processor: the log-probability of each sampled token under the scores it was sampled from,
+    holding one step's [b, V] log-softmax at a time. `generate(output_scores=True)` would keep every step's [b, V]
+    scores instead: 128 rows x 256 tokens x 151,936 ids took 68 GiB of an H100 where the step needed 17.
+
+    Called before each sampling with the tokens so far; the token sampled from the previous call's scores is the
+    last of `input_ids`. `of(new)` closes with the final step's token -> log-probs [b, t] of the new tokens [b, t]."""
+
+    def __init__(self) -> None:
+        self.logp: list[Tensor] = []  # [b] per step whose token is known
+        self.last: Tensor | None = None  # [b, V] log-softmax of the latest scores
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        if self.last is not None:
+            self.logp.append(self.last.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        self.last = torch.log_softmax(scores.float(), -1)
+        return scores
+
+    def of(self, new: Tensor) -> Tensor:
+        if self.last is not None:
+            self.logp.append(self.last.gather(-1, new[:, -1:]).squeeze(-1))
+        return torch.stack(self.logp, 1) if self.logp else new.new_zeros(new.shape, dtype=torch.float32)
 
 
 @contextmanager
@@ -111,7 +146,7 @@ def generate(
 
     temperature == 0 means greedy decoding (evaluation only). `with_logprobs` also returns the
     sampler's own log-probs of the sampled tokens (`rollout_logp`, from the processed scores generate
-    sampled from; this keeps [b, V] scores per generated token, so ask for it only when it is used).
+    sampled from, recorded step by step by SampledLogProbs).
     `synced_gpus` (ZeRO-3 over several ranks, where each forward gathers parameters from all ranks): every
     rank keeps stepping until all ranks' batches are done.
     """
@@ -126,22 +161,25 @@ def sample_tokens(model: torch.nn.Module, tokenizer: Any, prompt_ids: Tensor, pr
                   synced_gpus: bool) -> tuple[Tensor, Tensor | None]:
     """`generate` on left-padded prompts [N, Tp], `batch_size` rows at a time. -> (the generated tokens [N, T],
     padded after each row's end with the pad token; with `with_logprobs` the sampler's log-probs of them [N, T])"""
+    from transformers import LogitsProcessorList
+
     device = next(model.parameters()).device
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    config = sampling_config(max_new_tokens, temperature, top_p, top_k, eos, pad)
-    # In the config, not beside it: transformers deprecates generation arguments passed with a generation_config
-    config.update(output_scores=with_logprobs, return_dict_in_generate=True)
+    pad = tokenizer.pad_token_id
+    config = sampling_config(max_new_tokens, temperature, tokenizer.eos_token_id, pad)
+    config.update(return_dict_in_generate=True)  # in the config: transformers deprecates arguments beside one
     chunks, logp_chunks = [], []
     with eval_mode(model), own_generation_config(model):
         for s in range(0, prompt_ids.shape[0], batch_size):
             ids = prompt_ids[s : s + batch_size].to(device)
             am = prompt_mask[s : s + batch_size].to(device)
-            out = model.generate(input_ids=ids, attention_mask=am, generation_config=config, synced_gpus=synced_gpus)
+            recorder = SampledLogProbs()
+            processors = LogitsProcessorList([*warpers(temperature, top_p, top_k), *([recorder] if with_logprobs else [])])
+            out = model.generate(input_ids=ids, attention_mask=am, generation_config=config, logits_processor=processors,
+                                 synced_gpus=synced_gpus)
             new = out.sequences[:, ids.shape[1] :]  # [b, t]
             chunks.append(new.cpu())
             if with_logprobs:
-                scores = torch.stack(out.scores, 1).float()  # [b, t, V] processed logits that were sampled from
-                logp_chunks.append(torch.log_softmax(scores, -1).gather(-1, new[..., None]).squeeze(-1).cpu())
+                logp_chunks.append(recorder.of(new).cpu())  # [b, t]
     t = max(c.shape[1] for c in chunks)
     response_ids = torch.cat(
         [torch.nn.functional.pad(c, (0, t - c.shape[1]), value=pad) for c in chunks]
@@ -183,7 +221,7 @@ class HFEngine:
         self.batch_size = cfg.rollout.gen_batch_size
         self.collective = lockstep(cfg.hw)  # ZeRO-3 over ranks: every decoding step gathers layers (synced_gpus)
 
-    # Its sampler log-probs cost [rows, vocab] of kept scores per generated token: only asked for when
+    # Its sampler log-probs cost a log-softmax over the vocabulary per generated token: only asked for when
     # algo.rollout_correction uses them.
     logprobs_are_free = False
 
