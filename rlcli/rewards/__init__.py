@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from rlcli.rewards.code import COUNTS
 from rlcli.rewards.config import MODEL_PARTS, RewardConfig, group_base, store_group_schema, validate
 from rlcli.rewards.functions import REWARDS, extract_final_answer
 from rlcli.rewards.pool import SandboxPool, TaskResult
@@ -77,6 +78,7 @@ class RewardManager:
         self.cfg, self.scorers = cfg, dict(scorers or {})
         self.weights = {name: float(w) for name, w in cfg.weights.items()}
         self.functions = {name: w for name, w in self.weights.items() if name not in MODEL_PARTS}  # the sandbox's
+        self.count_names = COUNTS if "code" in self.functions else ()  # what reward functions count (reward/<name>)
         spec = {
             "parts": list(self.functions),
             "custom": dict(cfg.custom),
@@ -116,9 +118,12 @@ class RewardManager:
         acc = [0.0] * n
         raw = {name: [0.0] * n for name in self.functions}
         timeouts = errors = 0
+        counts = dict.fromkeys(self.count_names, 0.0)
         for i, r in enumerate(results):
             if r.status == "ok":
                 acc[i] = r.value["acc"]
+                for k, v in r.value["counts"].items():
+                    counts[k] = counts.get(k, 0.0) + v
                 for name in raw:
                     raw[name][i] = r.value["parts"][name]
                 if r.value["error"]:
@@ -141,6 +146,7 @@ class RewardManager:
         metrics["reward/timeouts"] = float(timeouts)
         metrics["reward/errors"] = float(errors)
         metrics["reward/restarts"] = float(self.pool.restarts - restarts)
+        metrics |= {f"reward/{k}": v for k, v in counts.items()}
         return RewardOutput(score=score, acc=acc_t, parts=parts, metrics=metrics)
 
     def reward_batch(self, b: Any) -> tuple[Any, dict[str, float]]:
@@ -153,6 +159,7 @@ class RewardManager:
         out = self(b.texts, b.answers)
         parts, score = dict(out.parts), out.score
         counts = {f"reward/{k}": out.metrics[f"reward/{k}"] for k in ("timeouts", "errors", "restarts")}
+        counts |= {f"reward/{k}": out.metrics[f"reward/{k}"] for k in self.count_names}
         more: dict[str, Any] = {}
         for part in (p for p in MODEL_PARTS if p in self.weights):
             if part not in self.scorers:

@@ -27,13 +27,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlcli.answers import ANSWER_FORMATS
+from rlcli.rewards.code import COUNTS
 from rlcli.rewards.functions import REWARDS
 from rlcli.schema import ConfigError, check_ranges, rng
 
 # Metric names the manager emits besides "reward/<part>"; a part may not take one of them, nor
 # the trainer's reward/mean and reward/std (docs/metrics.md).
 RESERVED_NAMES = ("timeouts", "errors", "restarts", "mean", "std", "pool_mean", "rm_std", "judge_errors",
-                  "judge_unparsed", "judge_cached")
+                  "judge_unparsed", "judge_cached", *COUNTS)
 
 MODEL_PART = "rm"
 """The part a reward model scores (reward=rm, rlcli/rewards/model.py): it reads the prompt as well as the response, so
@@ -126,6 +127,26 @@ class JudgeConfig:
 
 
 @dataclass
+class CodeConfig:
+    """reward=code: a response's program run against its task's tests in a sandbox (rlcli/rewards/code.py,
+    docs/code_rewards.md). The ground truth is the task's tests as JSON (rlcli.data.code_tasks)."""
+
+    extract: str = rng("last_block", choices=("last_block", "whole"))
+    """The program: the response's last fenced block (```python ... ```; none = no program, scored 0) | the whole
+    reply."""
+    partial_credit: bool = False
+    """The value: the fraction of tests passed (true) | 1 if all pass, else 0 (false). acc is all-pass either way."""
+    timeout_s: float = rng(5.0, gt=0)
+    """Wall-clock limit per execution (all of a task's tests); CPU seconds are capped at the same. reward.timeout_s,
+    the worker's budget per response, must exceed it."""
+    memory_mb: int = rng(512, ge=64)
+    """Address-space cap of the program's process (RLIMIT_AS), in MiB; past it: status memory."""
+    url: str | None = None
+    """An external sandbox service (http://host:port/path) instead of the local sandbox: POST {program, tests|cases,
+    timeout_s} -> {passed, total, status, message} (docs/code_rewards.md#an-external-sandbox)."""
+
+
+@dataclass
 class RewardConfig:
     """Task reward: which reward functions, their weights, and the verifier sandbox."""
 
@@ -158,11 +179,15 @@ class RewardConfig:
     """The reward model of the `rm` part (reward=rm): read only when reward.weights has rm."""
     judge: JudgeConfig = field(default_factory=JudgeConfig)
     """The generative judge of the `judge` part (reward=judge): read only when reward.weights has judge."""
+    code: CodeConfig = field(default_factory=CodeConfig)
+    """The sandboxed execution of the `code` part (reward=code): read only when reward.weights has code."""
 
     def function_options(self) -> dict[str, Any]:
         """The keyword options every built-in reward function receives."""
         return {"length_target": self.length_target, "length_scale": self.length_scale,
-                "answer_format": self.answer_format}
+                "answer_format": self.answer_format, "code_extract": self.code.extract,
+                "code_partial_credit": self.code.partial_credit, "code_timeout_s": self.code.timeout_s,
+                "code_memory_mb": self.code.memory_mb, "code_url": self.code.url}
 
 
 def reward_model_dtype(cfg: Any) -> str:
@@ -218,6 +243,13 @@ def validate(cfg: Any, prefix: str = "reward") -> None:
                           f"{prefix}=[...,{MODEL_PART}] ({prefix}.weights.{MODEL_PART}=0 only logs it), or drop "
                           f"{prefix}.rm.path")
     validate_judge(cfg, prefix)
+    if "code" in cfg.weights:
+        if cfg.timeout_s <= cfg.code.timeout_s + 2:
+            raise ConfigError(f"{prefix}.timeout_s={cfg.timeout_s:g} must exceed {prefix}.code.timeout_s="
+                              f"{cfg.code.timeout_s:g} + 2 s (the sandbox's start and clean-up), or the worker gives "
+                              f"up before the program's own limit: e.g. {prefix}.timeout_s={cfg.code.timeout_s + 5:g}")
+        if cfg.code.url is not None and not str(cfg.code.url).startswith(("http://", "https://")):
+            raise ConfigError(f"{prefix}.code.url={cfg.code.url} is not an http(s):// URL")
     if cfg.correct_score <= cfg.incorrect_score:
         raise ConfigError(
             f"{prefix}.correct_score={cfg.correct_score} must exceed "

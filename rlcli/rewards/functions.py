@@ -1,6 +1,7 @@
 """Reward functions (docs/rewards.md) and the per-response scorer that runs inside sandbox workers.
 
-Every reward function has one signature, ``fn(response: str, ground_truth: str, **options) -> float``,
+Every reward function has one signature, ``fn(response: str, ground_truth: str, **options) -> float``
+(or ``(float, {metric: count})``, counts the step's metrics sum, as ``code`` reports how each execution ended),
 is a top-level function (the worker imports it by name) and is registered in :data:`REWARDS`.
 ``options`` are RewardConfig fields the built-ins read (``length_target``, ``length_scale``); a
 function ignores the ones it does not use. User functions (``reward.custom``) take no options.
@@ -32,6 +33,7 @@ from typing import Any
 from rlcli.answers import MAX_BRACE_DEPTH as MAX_BRACE_DEPTH  # re-exported, see the docstring
 from rlcli.answers import MalformedResponse, extract_final_answer
 from rlcli.registry import Registry
+from rlcli.rewards import code
 
 REWARDS = Registry("reward function")
 
@@ -110,11 +112,17 @@ def length_reward(
     return max(0.0, 1.0 - abs(len(response) - length_target) / length_scale)
 
 
+# Code run against the task's tests (rlcli/rewards/code.py): the fraction passed or all-or-nothing, and a count of
+# how the execution ended (code/ok, code/failed, code/timeout, ...).
+REWARDS.register("code")(code.code_reward)
+
+
 # ---------------------------------------------------------------------------------------------
 # Inside a sandbox worker: setup_worker() once, then score_item() per response (see pool.py).
 
 _PARTS: list[tuple[str, Callable[..., float], dict[str, Any]]] = []
 _MAX_CHARS: list[int] = [0]
+_ACC: list[str] = ["math_verify"]  # the part whose value 1 is acc = 1
 
 
 def import_dotted(path: str) -> Any:
@@ -136,8 +144,12 @@ def setup_worker(spec: dict[str, Any]) -> None:
     verify(_parse_math("0.5"), _parse_math("\\frac{1}{2}"), timeout_seconds=None)
     _MAX_CHARS[0] = spec["max_response_chars"]
     _PARTS.clear()
-    # acc is always computed (metrics, dynamic sampling), so math_verify is always the first part.
-    for name in ["math_verify", *(n for n in spec["parts"] if n != "math_verify")]:
+    # acc is always computed (metrics, dynamic sampling): by `code` where it is a part (all tests pass), else by
+    # math_verify, which is then always the first part.
+    _ACC[0] = "code" if "code" in spec["parts"] else "math_verify"
+    for name in [_ACC[0], *(n for n in spec["parts"] if n != _ACC[0])]:
+        if name == "code":
+            code.interpreter()  # no sandbox here: the worker fails at start-up with the fix, before any step
         if name in spec["custom"]:
             try:
                 fn = import_dotted(spec["custom"][name])
@@ -163,17 +175,22 @@ def score_item(item: tuple[Any, Any]) -> dict[str, Any]:
     response = check_text(item[0], _MAX_CHARS[0], "response")
     ground_truth = check_text(item[1], _MAX_CHARS[0], "ground truth")
     values: dict[str, float] = {}
+    counts: dict[str, float] = {}
     errors: list[str] = []
     for name, fn, options in _PARTS:
         try:
-            value = float(fn(response, ground_truth, **options))
+            value = fn(response, ground_truth, **options)
+            if isinstance(value, tuple):  # (value, counts to add to the step's metrics)
+                value, more = value
+                counts.update(more)
+            value = float(value)
             if not math.isfinite(value):
                 raise ValueError(f"returned {value}")
         except Exception as e:  # the soft timeout is a BaseException and passes through
             value = 0.0
             errors.append(f"{name}: {type(e).__name__}: {describe_args(e)}")
         values[name] = value
-    return {"acc": values["math_verify"], "parts": values, "error": "; ".join(errors) or None}
+    return {"acc": float(values[_ACC[0]] >= 1.0), "parts": values, "counts": counts, "error": "; ".join(errors) or None}
 
 
 def describe_args(exc: BaseException) -> str:
