@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -142,6 +143,8 @@ def main(argv: list[str] | None = None) -> None:
         async_vs_sync(argv)
     if not only:
         scoring_memory()
+    if not only or only in CODE_SHAPE:
+        code_executions()
 
 
 # Asynchronous rollout pays when generation and the update take comparable time. On the default task the update
@@ -182,6 +185,29 @@ def async_vs_sync(argv: list[str]) -> None:
         print(f"{key:<28}" + "".join(f"{r[key]:>36.3f}" for r in res.values()))
     sync, asyn = (r["timing_s/step"] for r in res.values())
     print(f"throughput async / sync: {sync / asyn:.2f}x (seconds per step {sync:.2f} -> {asyn:.2f})")
+
+
+CODE_SHAPE = "reward=code executions"
+
+
+def code_executions(n: int = 64, workers: int = 2) -> None:
+    """Sandboxed executions per second (reward=code, rlcli/rewards/code.py) over `workers` reward workers: `n` short
+    programs, half right, each with 4 assert tests, after one warm-up round."""
+    import json as json_
+
+    from rlcli.rewards import RewardConfig, RewardManager
+
+    cfg = RewardConfig(weights={"code": 1.0}, num_workers=workers, timeout_s=10.0)
+    truth = json_.dumps({"assert": "".join(f"assert repr(f({i})) == repr({i * i})\n" for i in range(4))})
+    replies = ["```python\ndef f(x):\n    return x * " + ("x" if i % 2 else "2") + "\n```" for i in range(n)]
+    with RewardManager(cfg) as manager:
+        manager(replies[:workers], [truth] * workers)
+        t = time.perf_counter()
+        out = manager(replies, [truth] * n)
+        dt = time.perf_counter() - t
+    print(f"\nrlcli bench: {CODE_SHAPE}: {n} programs x 4 tests in {dt:.2f} s = {n / dt:.1f} executions/s on {workers} "
+          f"reward workers ({os.cpu_count()} cores); {out.metrics['reward/code_ok']:.0f} ok, "
+          f"{out.metrics['reward/code_failed']:.0f} failed")
 
 
 def scoring_memory() -> None:

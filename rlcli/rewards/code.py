@@ -82,7 +82,8 @@ class Limits:
 
 # ------------------------------------------------------------------------------------------------
 # Inside the sandbox. LAUNCHER runs as root of the new user namespace: it remounts every mount read-only but the
-# working directory, sets the limits and execs HARNESS (a file it reads before the program can touch anything).
+# working directory, forks (it stays PID 1), and the child sets the limits and runs HARNESS, which reads the tests
+# before the program can touch anything.
 
 LAUNCHER = r"""
 import ctypes, os, resource, sys
@@ -112,8 +113,12 @@ if pid == 0:
                     (resource.RLIMIT_NOFILE, nofile), (resource.RLIMIT_CORE, 0)):
         resource.setrlimit(what, (n, n))
     os.chdir(work)
-    os.execve(python, [python, "-I", "-X", "utf8", "harness.py", *sys.argv[4:]],
-              {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": work, "TMPDIR": work})
+    os.environ.clear()
+    os.environ.update({"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": work, "TMPDIR": work})
+    sys.argv = ["harness.py", *sys.argv[4:]]
+    exec(compile(open("harness.py").read(), "harness.py", "exec"), {"__name__": "__main__"})  # no second start-up
+    sys.stdout.flush()
+    os._exit(0)
 status = os.waitpid(pid, 0)[1]
 os._exit(128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
 """
@@ -245,7 +250,7 @@ def _supervise(python: str, work: str, style: str, limits: Limits, t0: float) ->
     cpu = max(1, int(limits.timeout_s + 1))
     caps = f"{cpu},{limits.memory_mb},{limits.processes},{limits.file_size_mb},{limits.open_files}"
     cmd = ["unshare", "--user", "--map-root-user", "--net", "--mount", "--pid", "--fork", "--mount-proc",
-           "--kill-child", python, "-I", "-c", LAUNCHER, work, caps, python, style, str(limits.timeout_s), str(write_end)]
+           "--kill-child", python, "-I", "-X", "utf8", "-c", LAUNCHER, work, caps, python, style, str(limits.timeout_s), str(write_end)]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             pass_fds=(write_end,), start_new_session=True, env={"PATH": "/usr/bin:/bin"}, **_user())
     os.close(write_end)
@@ -342,6 +347,7 @@ def execute_stdio(program: str, cases: list[tuple[str, str]], timeout_s: float =
 
 FENCE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 EXTRACT = ("last_block", "whole")
+IMPORT = re.compile(r"^(import|from)\s+\w")
 COUNTS = tuple(f"code_{s}" for s in (*STATUSES[:-1], "no_program"))
 """What the step's metrics count (reward/code_ok, ...): every execution's status but refused (a refusal stops the
 run), and responses without a program. The same names on every rank, every step (they are all-reduced)."""
@@ -364,8 +370,11 @@ def run_ground_truth(program: str, ground_truth: str, timeout_s: float, memory_m
         raise ValueError(f"a code task's ground truth is JSON ({{\"assert\": ...}} or {{\"stdio\": ...}}): {e}") from None
     if "assert" in truth:
         entry = truth.get("entry_point")
-        if truth.get("prefix") and entry and not re.search(rf"^\s*def\s+{re.escape(entry)}\s*\(", program, re.M):
-            program = truth["prefix"] + program  # a completion of the prompt's signature, HumanEval style
+        prefix = truth.get("prefix") or ""
+        if prefix and entry and not re.search(rf"^\s*def\s+{re.escape(entry)}\s*\(", program, re.M):
+            program = prefix + program  # a completion of the prompt's signature, HumanEval style
+        elif prefix:  # a whole function: the prompt's imports still apply (HumanEval's `from typing import List`)
+            program = "".join(line + "\n" for line in prefix.splitlines() if IMPORT.match(line)) + program
         if url:
             return remote_execute(url, program, truth["assert"], "assert", timeout_s)
         return execute(program, truth["assert"], timeout_s, memory_mb)

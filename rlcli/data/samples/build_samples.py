@@ -11,6 +11,9 @@ tested offline, but the rows are original problems written for rlcli (not copied
   aime.parquet           AIME-style: id, problem, solution, answer (int64)
   chat_add.jsonl         natural-language additions for chat models (data=chat_add): question, answer;
                          all 100 one-digit pairs and 900 seeded two-digit ones
+  code_fns.jsonl         small Python functions for chat models (data=code_fns, reward=code): question, answer
+                         (the code ground truth: JSON with assert tests and the entry point), solution (the
+                         reference), template; 1,186 problems generated with seed 0 (rlcli.data.code_tasks)
 
 Parquet needs pyarrow. Every file is plain ASCII, so the embedded character tokenizer reads it.
 """
@@ -306,6 +309,8 @@ def main() -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from rlcli.data.code_tasks import code_fn_rows
+
     dapo_schema = pa.schema(
         [
             ("data_source", pa.string()),
@@ -318,6 +323,7 @@ def main() -> None:
     pq.write_table(pa.Table.from_pylist(dapo_rows(), schema=dapo_schema), HERE / "dapo_math_17k.parquet")
     _write_jsonl("gsm8k.jsonl", [{"question": q, "answer": a} for q, a in GSM8K])
     _write_jsonl("chat_add.jsonl", chat_add_rows())
+    _write_jsonl("code_fns.jsonl", code_fn_rows(seed=0))
     _write_jsonl(
         "math.jsonl", [{"problem": p, "level": lv, "type": t, "solution": s} for p, lv, t, s in MATH]
     )
