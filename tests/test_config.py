@@ -21,7 +21,23 @@ def make(overrides=()):
 # Options that need a value only the user can give.
 NEEDS = {("model", "hf"): ["model.path=/some/dir"],
          ("reward", "judge"): ["reward.judge.url=http://127.0.0.1:8000", "reward.judge.model=judge"],
-         ("reward", "rm"): ["reward.rm.path=/some/dir"]}
+         ("reward", "rm"): ["reward.rm.path=/some/dir"],
+         ("recipe", "rlhf/ppo_rm"): ["reward.rm.path=/some/dir"],
+         ("recipe", "rlhf/grpo_rm"): ["reward.rm.path=/some/dir"],
+         ("recipe", "rlhf/grpo_judge"): ["reward.judge.url=http://127.0.0.1:8000", "reward.judge.model=judge"]}
+
+
+def test_the_rlhf_and_code_recipes_are_what_they_say():
+    """recipe=rlhf/*: the policy is trained on the model part alone, the verifier logged at weight 0 (PPO with its
+    critic for ppo_rm); recipe=code/smollm2_code_fns: SmolLM2 on code_fns, rewarded by its tests, with room to answer."""
+    ppo = make(["recipe=rlhf/ppo_rm", "reward.rm.path=/some/dir"])
+    assert (ppo.algo.name, ppo.algo.adv_estimator, dict(ppo.reward.weights)) == ("ppo", "gae", {"math_verify": 0.0, "rm": 1.0})
+    assert dict(make(["recipe=rlhf/grpo_rm", "reward.rm.path=/d"]).reward.weights) == {"math_verify": 0.0, "rm": 1.0}
+    judge = make(["recipe=rlhf/grpo_judge", *NEEDS[("reward", "judge")]])
+    assert (judge.algo.name, dict(judge.reward.weights)) == ("grpo", {"math_verify": 0.0, "judge": 1.0})
+    code = make(["recipe=code/smollm2_code_fns"])
+    assert (code.model.name, code.data.name, dict(code.reward.weights), code.rollout.max_new_tokens) == (
+        "smollm2-135m", "code_fns", {"code": 1.0}, 128)
 
 
 @pytest.mark.parametrize(
