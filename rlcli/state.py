@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -74,24 +74,37 @@ class LoopState:
             )
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "step": self.step, "next_group": self.next_group, "train_seconds": self.train_seconds,
-            "result": self.result, "prompts": self.prompts.state_dict(), "carry": self.sampler.carry,
-            "kl_coef": self.kl_ctl.value, "rng": rng_state(), "skipped_in_a_row": self.skipped_in_a_row,
-            "last_finite": self.last_finite, "rollout": self.rollout.state_dict() if self.rollout else {},
-        }
+        """Every dataclass field (an object field through its entry in CARRIED, under that entry's key) and the RNGs."""
+        out = {"rng": rng_state()}
+        for f in fields(self):
+            key, save, _ = CARRIED.get(f.name, (f.name, None, None))
+            out[key] = save(getattr(self, f.name)) if save else getattr(self, f.name)
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore everything; the RNGs last (building the trainer drew from them too)."""
-        self.step, self.next_group = state["step"], state["next_group"]
-        self.train_seconds, self.result = state["train_seconds"], state["result"]
-        self.prompts.load_state_dict(state["prompts"])
-        self.sampler.carry = state["carry"]
-        self.kl_ctl.value = state["kl_coef"]
-        self.skipped_in_a_row, self.last_finite = state["skipped_in_a_row"], state["last_finite"]
-        if self.rollout:
-            self.rollout.load_state_dict(state["rollout"])
+        for f in fields(self):
+            key, _, load = CARRIED.get(f.name, (f.name, None, None))
+            if load:
+                load(getattr(self, f.name), state[key])
+            else:
+                setattr(self, f.name, state[key])
         set_rng_state(state["rng"])
+
+
+def _load_rollout(rollout: Any, state: dict[str, Any]) -> None:
+    if rollout:
+        rollout.load_state_dict(state)
+
+
+# LoopState's object fields: field -> (checkpoint key, save(value) -> data, load(value, data)). Every other field is
+# data, saved and restored as it is (tests/test_train.py checks that each one survives).
+CARRIED: dict[str, tuple[str, Any, Any]] = {
+    "prompts": ("prompts", lambda p: p.state_dict(), lambda p, d: p.load_state_dict(d)),
+    "sampler": ("carry", lambda s: s.carry, lambda s, d: setattr(s, "carry", d)),  # DAPO's surplus groups
+    "kl_ctl": ("kl_coef", lambda k: k.value, lambda k, d: setattr(k, "value", d)),  # β (adaptive: it moves)
+    "rollout": ("rollout", lambda r: r.state_dict() if r else {}, _load_rollout),
+}
 
 
 def seed_everything(seed: int) -> None:

@@ -449,3 +449,43 @@ def test_a_damaged_latest_checkpoint_falls_back_and_the_resume_equals_the_straig
                .values())
     cfg = compose(*args)
     assert 0.5 < ckpt.estimated_bytes(cfg) / size < 2, (ckpt.estimated_bytes(cfg), size)
+
+
+def test_every_loop_state_field_survives_a_save_and_a_load():
+    """LoopState.state_dict walks the dataclass's fields: a new field is saved without anyone listing it. Each field is
+    set away from its default here, saved through torch.save, and loaded into a fresh state; a field this test does
+    not know fails it, so whoever adds one says what it holds (data, or an object with an entry in CARRIED)."""
+    import dataclasses
+    import io
+
+    import torch
+
+    from rlcli.algos.kl import AdaptiveKLController
+    from rlcli.data import PromptStream
+    from rlcli.rollout.sampler import GroupSampler
+    from rlcli.state import CARRIED, LoopState
+
+    def fresh():
+        return LoopState(prompts=PromptStream([{"prompt": f"q{i}", "answer": str(i)} for i in range(10)], 0, True, 0, 1),
+                         sampler=GroupSampler(2, True, "acc", 3, False), kl_ctl=AdaptiveKLController(0.1, 6.0, 10000),
+                         next_group=0)
+
+    data = {"next_group": 17, "step": 5, "train_seconds": 12.5, "result": {"eval/acc_before": 0.25},
+            "skipped_in_a_row": 2, "last_finite": {"step": 3, "acc/mean": 0.5}}
+    names = {f.name for f in dataclasses.fields(LoopState)}
+    assert names == set(data) | set(CARRIED), f"a LoopState field this test does not set: {names - set(data) - set(CARRIED)}"
+    s = fresh()
+    for name, value in data.items():
+        setattr(s, name, value)
+    s.prompts.take(13)  # into the second epoch
+    s.sampler.carry = ["a surplus group"]
+    s.kl_ctl.value = 0.37
+    buf = io.BytesIO()
+    torch.save(s.state_dict(), buf)
+    buf.seek(0)
+    t = fresh()
+    t.load_state_dict(torch.load(buf, weights_only=False))
+    for name in data:
+        assert getattr(t, name) == data[name], name
+    assert t.prompts.state_dict() == s.prompts.state_dict() and t.prompts.take(4) == s.prompts.take(4)
+    assert t.sampler.carry == ["a surplus group"] and t.kl_ctl.value == 0.37
