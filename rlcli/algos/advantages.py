@@ -2,8 +2,7 @@
 
     fn(inp: AdvantageInputs, cfg) -> (advantages [N, T], returns [N, T])
 
-`cfg` is an `rlcli.algos.config.AlgoConfig` or the composed `algo` DictConfig (annotated `Any`:
-config.py imports this module, so importing AlgoConfig here would make an import circle).
+`cfg` is an `rlcli.algos.config.AlgoConfig` or the composed `algo` DictConfig, hence annotated `Any`.
 
 `returns` are the critic's targets for estimators that need values (NEEDS_VALUES) and equal the
 advantages otherwise. Both are 0 at masked positions. The trainer calls `compute_advantages`,

@@ -2,8 +2,7 @@
 
     fn(logp, old_logp, advantages, mask, cfg) -> (loss_mat [N, T], metrics)
 
-`cfg` is an `rlcli.algos.config.AlgoConfig` or the composed `algo` DictConfig (annotated `Any`:
-config.py imports this module, so importing AlgoConfig here would make an import circle).
+`cfg` is an `rlcli.algos.config.AlgoConfig` or the composed `algo` DictConfig, hence annotated `Any`.
 
 `loss_mat` is the per-token loss, 0 at masked positions; the trainer reduces it with
 `aggregate(loss_mat, mask, cfg.loss_agg, num_tokens=..., num_seqs=..., max_len=...)`, the counts
