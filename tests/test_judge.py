@@ -224,20 +224,27 @@ def test_a_killed_judged_run_resumed_asks_nothing_it_had_and_equals_a_straight_r
     metrics equal a straight run's; a branch of the step-2 checkpoint into a new run directory asks nothing either
     (it adopts the origin's cache). A dead judge then stops a run in one line, before any
     update, naming the URL; the latest checkpoint stays step 2."""
-    server = scripted()
+    # The straight run goes beside the killed one (both processes at once), each with its own scripted judge, so
+    # that each server's requests are one run's.
+    straight_server, server = scripted(), scripted()
     args = [*JUDGED, f"reward.judge.url={server.url}"]
     straight = tmp_path / "straight"
-    code, out = finish(start(tmp_path, cache, *args, "checkpoint.every=0", f"hydra.run.dir={straight}"))
-    assert code == 0, out[-4000:]
-    straight_asked = list(server.asked)
-    assert len(straight_asked) == 4 * 16
-
-    server.asked.clear()
+    straight_proc = start(tmp_path, cache, *JUDGED, f"reward.judge.url={straight_server.url}", "checkpoint.every=0",
+                          f"hydra.run.dir={straight}")
     run = tmp_path / "killed"
-    proc = start(tmp_path, cache, *args, "checkpoint.every=2", f"hydra.run.dir={run}")
-    wait_for(logged_step(run, 3), proc)
-    kill_tree(proc)
-    finish(proc)
+    try:
+        proc = start(tmp_path, cache, *args, "checkpoint.every=2", f"hydra.run.dir={run}")
+        wait_for(logged_step(run, 3), proc)
+        kill_tree(proc)
+        finish(proc)
+        code, out = finish(straight_proc)
+    finally:
+        if straight_proc.poll() is None:
+            kill_tree(straight_proc)
+            finish(straight_proc)
+    assert code == 0, out[-4000:]
+    straight_asked = list(straight_server.asked)
+    assert len(straight_asked) == 4 * 16
     assert ckpt.latest(str(run)) == str(run / "checkpoints" / "step_2")
     before = list(server.asked)
     assert len(before) >= 3 * 16
