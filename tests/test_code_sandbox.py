@@ -132,6 +132,10 @@ def test_reward_code_config_is_checked_before_anything_runs():
     with pytest.raises(ConfigError, match=r"reward.timeout_s=5 must exceed reward.code.timeout_s=5"):
         validate(RewardConfig(weights={"code": 1.0}))
     cfg = RewardConfig(weights={"code": 1.0}, timeout_s=10.0)
+    cfg.code.memory_mb = 4096
+    with pytest.raises(ConfigError, match="reward.code.memory_mb=4096 exceeds reward.memory_mb=2048"):
+        validate(cfg)
+    cfg.code.memory_mb = 512
     cfg.code.url = "localhost:8080"
     with pytest.raises(ConfigError, match="not an http"):
         validate(cfg)

@@ -248,6 +248,10 @@ def validate(cfg: Any, prefix: str = "reward") -> None:
             raise ConfigError(f"{prefix}.timeout_s={cfg.timeout_s:g} must exceed {prefix}.code.timeout_s="
                               f"{cfg.code.timeout_s:g} + 2 s (the sandbox's start and clean-up), or the worker gives "
                               f"up before the program's own limit: e.g. {prefix}.timeout_s={cfg.code.timeout_s + 5:g}")
+        if cfg.code.memory_mb > cfg.memory_mb:
+            raise ConfigError(f"{prefix}.code.memory_mb={cfg.code.memory_mb} exceeds {prefix}.memory_mb={cfg.memory_mb}, "
+                              "the reward worker's own cap, which a program started from it cannot raise: lower the "
+                              f"first or raise the second (e.g. {prefix}.memory_mb={cfg.code.memory_mb + 1024})")
         if cfg.code.url is not None and not str(cfg.code.url).startswith(("http://", "https://")):
             raise ConfigError(f"{prefix}.code.url={cfg.code.url} is not an http(s):// URL")
     if cfg.correct_score <= cfg.incorrect_score:
