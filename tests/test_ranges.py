@@ -39,6 +39,8 @@ FREE = {
     "reward.judge.url": "a URL: rewards.config.validate_judge checks it is http(s):// (tests/test_judge.py); the server is "
                         "first asked in step 1",
     "reward.judge.model": "the name a server serves; any text (required with reward.judge.url)",
+    "reward.code.url": "a URL: rewards.config.validate checks it is http(s):// (tests/test_code_sandbox.py); the "
+                       "service is first asked in step 1",
     "reward.judge.api_key_env": "an environment variable's name: cli.check_inputs checks it is set",
     "reward.judge.path": "a model directory: cli.check_inputs checks its config.json",
     "reward.judge.rubric": "free text; rewards.config.validate_judge checks it holds {response}",
@@ -240,6 +242,7 @@ OUT_OF_RANGE = {
     "reward.judge.max_tokens": [0], "reward.judge.concurrency": [0], "reward.judge.timeout_s": [0, -1],
     "reward.judge.retries": [-1], "reward.judge.backoff_s": [-1], "reward.judge.on_error": ["retry"],
     "reward.judge.batch_size": [0],
+    "reward.code.extract": ["first_block"], "reward.code.timeout_s": [0, -1], "reward.code.memory_mb": [63, 0],
     "data.source": ["hub"], "data.eval_fraction": [0, 1, 1.5], "data.adapter": ["alpaca"], "data.chat": ["yes"],
     "data.train_size": [0], "data.eval_size": [0], "data.min_digits": [0], "data.max_digits": [0],
     "data.max_prompt_len": [0], "data.report_bad_rows": [-1],
