@@ -38,9 +38,9 @@ from rlcli.algos.functional import (
 )
 from rlcli.algos.losses import POLICY_LOSSES
 from rlcli.batch import RolloutBatch
-from rlcli.config import BatchUnits
+from rlcli.config import BatchUnits, trained_model
 from rlcli.engine.collectives import agree_max, all_reduce, global_stats
-from rlcli.models import DTYPES, eval_mode, load_policy, logits_chunk_for, response_logprobs
+from rlcli.models import DTYPES, autocast, eval_mode, load_policy, logits_chunk_for, response_logprobs
 from rlcli.models.value import (
     augmented_values,
     critic_loss,
@@ -98,7 +98,7 @@ class Learner:
         a = cfg.algo
         self.lockstep = eng.lockstep(cfg.hw)  # ZeRO-3 over ranks: every forward is a collective
         with eng.sharded_construction(cfg.hw, cfg.optim):  # ZeRO-3: each rank loads only its partition
-            model, self.tokenizer = load_policy(cfg.model, model_path)
+            model, self.tokenizer = load_policy(trained_model(cfg), model_path)
         self.device = eng.device(cfg.hw)
         if not eng.is_partitioned(model):
             model.to(self.device)
@@ -107,7 +107,7 @@ class Learner:
         # policy module itself, scored with its adapters disabled (reference_logprobs).
         self.ref = None
         if a.kl_coef > 0:
-            self.ref = model if cfg.model.lora.r else self.frozen_copy(model, lambda: load_policy(cfg.model, model_path)[0])
+            self.ref = model if cfg.model.lora.r else self.frozen_copy(model, lambda: load_policy(trained_model(cfg), model_path)[0])
         self.actor = eng.Engine(model, cfg.hw, cfg.optim, units.optimizer_steps)
         # The critic exists only for estimators that need values; VAPO pretrains it first.
         self.critic: eng.Engine | None = None
@@ -122,10 +122,11 @@ class Learner:
             self.critic = eng.Engine(critic, cfg.hw, cfg.optim, units.optimizer_steps + units.pretrain_optimizer_steps,
                                      lr=cfg.critic.lr, warmup_steps=cfg.critic.warmup_steps)
         # hw.logits_chunk only where the chunked pass reproduces the model's own logits (checked once here).
-        self.chunk, self.chunk_note = logits_chunk_for(self.actor.module, cfg.hw.logits_chunk)
+        with autocast(cfg.hw):
+            self.chunk, self.chunk_note = logits_chunk_for(self.actor.module, cfg.hw.logits_chunk)
 
     def build_critic(self) -> torch.nn.Module:
-        return load_critic(self.cfg.critic, self.model_path, DTYPES[self.cfg.model.dtype])
+        return load_critic(self.cfg.critic, self.model_path, DTYPES[trained_model(self.cfg).dtype])
 
     def frozen_copy(self, model: torch.nn.Module, build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
         """An inference-only copy of `model`'s weights now; `build()` makes a module of its architecture
@@ -141,7 +142,7 @@ class Learner:
         """fn(prompt_ids, prompt_mask, response_ids, token_mask) -> [n, T'] over the (trimmed) micro-batches of
         `b`, without grad; zero where response_mask is (padding, and the observations of multi-turn rows). -> [N, T]"""
         out = torch.zeros(b.response_mask.shape)  # [N, T]
-        with torch.no_grad():
+        with torch.no_grad(), autocast(self.cfg.hw):
             for idx in self.micro_batches(b):
                 if not len(idx):  # lockstep padding: a rank with fewer rows still joins the gathers
                     one = torch.full((1, 1), self.tokenizer.pad_token_id)
@@ -290,10 +291,11 @@ class Learner:
         micro-batch gradients over micro-batches and ranks gives the mini-batch gradient."""
         a = self.cfg.algo
         mask = mb.loss_mask.to(self.device)  # [n, T]
-        logp, entropy = response_logprobs(
-            self.actor.module, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.token_mask,
-            self.cfg.rollout.temperature, with_entropy=True, entropy_grad=a.entropy_coef != 0, chunk=self.chunk,
-        )  # [n, T] each
+        with autocast(self.cfg.hw):
+            logp, entropy = response_logprobs(
+                self.actor.module, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.token_mask,
+                self.cfg.rollout.temperature, with_entropy=True, entropy_grad=a.entropy_coef != 0, chunk=self.chunk,
+            )  # [n, T] each, fp32
         old = logp.detach()  # on-policy: the ratio is exactly 1 and its gradient is ∇log π
         if self.off_policy == "bypass":
             old = mb.old_logp.to(self.device)  # the sampler's (score)
@@ -342,8 +344,9 @@ class Learner:
     def micro_value_loss(self, mb: RolloutBatch, norms: dict[str, float]) -> tuple[Tensor, dict[str, float]]:
         """The clipped value loss of one micro-batch, normalised by the mini-batch's token count."""
         mask = mb.loss_mask.to(self.device)
-        head = response_head_outputs(self.critic.module, mb.prompt_ids, mb.prompt_mask, mb.response_ids,
-                                     mb.token_mask)  # [n, T, K]
+        with autocast(self.cfg.hw):
+            head = response_head_outputs(self.critic.module, mb.prompt_ids, mb.prompt_mask, mb.response_ids,
+                                         mb.token_mask)  # [n, T, K] fp32
         loss, cm = critic_loss(head, mb.values.to(self.device), mb.returns.to(self.device), mask,
                                self.critic.module.spec, self.cfg.algo.value_clip, norms["num_tokens"])
         share = mask.sum().item() / norms["num_tokens"]

@@ -145,11 +145,17 @@ class StateBytes:
 def state_bytes(precision: str, zero_stage: int) -> StateBytes:
     """fp32: 4-byte weights (the master copy) and gradients, Adam m and v (8); ZeRO >= 1 also keeps an fp32 copy
     of its weight partition (12). bf16 at ZeRO >= 1: the paper's mixed precision, 2 + 2 + K=12 (fp32 master,
-    m, v). bf16 at ZeRO-0: DeepSpeed steps the torch optimizer on the bf16 weights (its DDP_BFLOAT16 path: no
-    fp32 master, bf16 m and v), 2 + 2 + 4."""
-    if precision == "fp32":
+    m, v). bf16 at ZeRO-0 is rlcli's autocast over fp32 weights (rlcli.config.mixed_precision): the states of
+    fp32, 4 + 4 + 8, and model_states adds autocast's bf16 copy of the weights."""
+    if precision == "fp32" or zero_stage == 0:
         return StateBytes(4, 4, 12 if zero_stage else 8)
-    return StateBytes(2, 2, 12 if zero_stage else 4)
+    return StateBytes(2, 2, 12)
+
+
+def compute_bytes(precision: str) -> int:
+    """Bytes per element of activations, the HF KV cache and an inference engine's weights: 2 under bf16 (at
+    every ZeRO stage), 4 in fp32."""
+    return 2 if precision == "bf16" else 4
 
 
 @dataclass
@@ -171,6 +177,8 @@ def model_states(psi: int, trainable: int, precision: str, stage: int, world: in
     the gradient partition: ZeRO-Offload, arXiv:2101.06840) or the parameter partition in host memory."""
     b = state_bytes(precision, stage)
     weights = psi * b.weight
+    if precision == "bf16" and stage == 0:  # autocast's bf16 copy of each weight, kept from forward to backward
+        weights += psi * 2
     grads = trainable * b.grad
     optim = trainable * b.optim
     host = 0.0
@@ -375,12 +383,12 @@ def _estimate(cfg: Any, prompt: tuple[int, str], budget: int | None, budget_note
                           layer_params(arch), embed)
     if lora:  # the adapters' weights are counted in psi's dtype: add them to the frozen base
         policy.weights += trainable * state_bytes(hw.precision, hw.zero_stage).weight
-    wbytes = state_bytes(hw.precision, hw.zero_stage).weight  # DeepSpeed casts the module to bf16 under hw.precision=bf16
-    act_bytes = 2 if hw.precision == "bf16" else 4
+    wbytes = state_bytes(hw.precision, hw.zero_stage).weight  # the reference copy's (DeepSpeed casts to bf16 at ZeRO >= 1)
+    act_bytes = compute_bytes(hw.precision)  # activations, the HF KV cache, the vLLM engine's weights
 
     rows, notes = {}, {}
     rows["weights"] = policy.weights
-    notes["weights"] = f"Ψ = {psi / 1e9:.3f}B x {state_bytes(hw.precision, hw.zero_stage).weight} B" + (
+    notes["weights"] = f"Ψ = {psi / 1e9:.3f}B x {wbytes} B" + (" + its bf16 autocast copy x 2 B" if act_bytes < wbytes else "") + (
         f" (+ LoRA {trainable / 1e6:.1f}M)" if lora else "") + _zero_note(hw.zero_stage, world, "weights")
     rows["gradients"] = policy.grads
     notes["gradients"] = f"{'LoRA ' if lora else ''}{trainable / 1e9:.3f}B trainable" + (
@@ -446,14 +454,14 @@ def _estimate(cfg: Any, prompt: tuple[int, str], budget: int | None, budget_note
                         f"divide the model's {arch.heads}")
     if r.engine == "vllm":
         if on_cpu:
-            rows[ROLLOUT] = psi * wbytes + r.cpu_kv_cache_gb * GIB
+            rows[ROLLOUT] = psi * act_bytes + r.cpu_kv_cache_gb * GIB
             notes[ROLLOUT] = f"vLLM: its weights + rollout.cpu_kv_cache_gb={r.cpu_kv_cache_gb}"
-            kv_room = r.cpu_kv_cache_gb * GIB / kv_token_bytes(arch, 1, wbytes)
+            kv_room = r.cpu_kv_cache_gb * GIB / kv_token_bytes(arch, 1, act_bytes)
         else:  # per GPU of a k-way tensor-parallel engine: its shard of the weights, and the KV cache in the rest
             k = r.tensor_parallel_size
-            engine_weights, reserved = psi * wbytes / k, r.gpu_memory_utilization * (dev or 0.0)
+            engine_weights, reserved = psi * act_bytes / k, r.gpu_memory_utilization * (dev or 0.0)
             rows[ROLLOUT] = max(reserved, engine_weights)
-            kv_room = max(reserved - engine_weights, 0.0) / kv_token_bytes(arch, k, wbytes)
+            kv_room = max(reserved - engine_weights, 0.0) / kv_token_bytes(arch, k, act_bytes)
             notes[ROLLOUT] = (f"vLLM at rollout.tensor_parallel_size={k}: weights {engine_weights / GIB:.1f} + KV cache "
                               f"{max(reserved - engine_weights, 0.0) / GIB:.1f} (rollout.gpu_memory_utilization="
                               f"{r.gpu_memory_utilization}), room for {kv_room / seq:.1f} sequences of {seq} tokens"
@@ -466,8 +474,8 @@ def _estimate(cfg: Any, prompt: tuple[int, str], budget: int | None, budget_note
                 blockers.append(f"vLLM's KV cache, {kv_room:.0f} tokens per engine, cannot hold one sequence of {seq} "
                                 "tokens: raise rollout.gpu_memory_utilization or rollout.tensor_parallel_size")
     else:
-        rows[ROLLOUT] = kv_cache_bytes(arch, gen_rows, seq, wbytes)
-        notes[ROLLOUT] = f"HF generate KV cache: {gen_rows} rows x {seq} tokens, {wbytes} B"
+        rows[ROLLOUT] = kv_cache_bytes(arch, gen_rows, seq, act_bytes)
+        notes[ROLLOUT] = f"HF generate KV cache: {gen_rows} rows x {seq} tokens, {act_bytes} B"
     resident = r.engine == "vllm" and not r.sleep_mode  # held while the actor updates too
     if on_cpu:
         rows["runtime"] = CPU_RUNTIME_GIB * GIB
@@ -491,13 +499,13 @@ def reward_model_bytes(cfg: Any, policy: Arch) -> tuple[float, str]:
     its activations are not counted."""
     from types import SimpleNamespace
 
-    from rlcli.rewards.config import reward_model_dtype
+    from rlcli.config import inference_dtype
     from rlcli.rm.plan import rm_param_count
 
     path = cfg.reward.rm.path
     readable = path is not None and os.path.isfile(os.path.join(os.path.expanduser(path), "config.json"))
     arch = arch_of(SimpleNamespace(path=os.path.expanduser(path), gguf_file=None)) if readable else policy
-    psi, nbytes = rm_param_count(arch), 4 if reward_model_dtype(cfg) == "float32" else 2
+    psi, nbytes = rm_param_count(arch), 4 if inference_dtype(cfg) == "float32" else 2
     where = "reward.rm.path" if readable else "the policy's size: reward.rm.path has no config.json here"
     return psi * nbytes, f"Ψ = {psi / 1e9:.3f}B x {nbytes} B, frozen, whole on each rank ({where})"
 
@@ -563,7 +571,7 @@ def fixes(cfg: Any, plan: Plan) -> list[tuple[dict[str, Any], float, str]]:
             out.append(({"hw.micro_batch": 1}, "more, smaller forward/backward passes"))
     if hw.logits_chunk == 0 or hw.logits_chunk > 64:
         out.append(({"hw.logits_chunk": 64}, "more, smaller vocabulary projections"))
-    engine_weights = s["psi"] * state_bytes(hw.precision, hw.zero_stage).weight
+    engine_weights = s["psi"] * compute_bytes(hw.precision)
     tp = r.tensor_parallel_size
     runnable = [t for t in (2, 4, 8) if hw.nproc % t == 0 and s["arch"].heads % t == 0]  # vLLM's TP rules
     while r.engine == "vllm" and gpu and engine_weights / tp > r.gpu_memory_utilization * dev and tp * 2 in runnable:
@@ -572,7 +580,7 @@ def fixes(cfg: Any, plan: Plan) -> list[tuple[dict[str, Any], float, str]]:
         out.append(({"rollout.tensor_parallel_size": tp}, "each engine shards the model over more GPUs"))
     if r.engine == "vllm" and gpu and plan.blockers:  # the share that holds the weights and one sequence, in 0.05s
         need = (engine_weights / r.tensor_parallel_size + s["seq"] * kv_token_bytes(
-            s["arch"], r.tensor_parallel_size, state_bytes(hw.precision, hw.zero_stage).weight)) / dev
+            s["arch"], r.tensor_parallel_size, compute_bytes(hw.precision))) / dev
         if need < 0.95:
             out.append(({"rollout.gpu_memory_utilization": round(math.ceil(need / 0.05) * 0.05, 2)},
                         "the engine's share of the device, for its weights and one sequence"))

@@ -53,7 +53,7 @@ def step_time(cfg: Any, plan: Any) -> StepTime | None:
     peak and bandwidth (hw.peak_tflops, hw.memory_bandwidth_gbs)."""
     from rlcli.config import units
     from rlcli.names import NEEDS_VALUES
-    from rlcli.plan import kv_token_bytes, state_bytes
+    from rlcli.plan import compute_bytes, kv_token_bytes
 
     hw, r, a = cfg.hw, cfg.rollout, cfg.algo
     if hw.peak_tflops is None or hw.memory_bandwidth_gbs is None:
@@ -61,7 +61,7 @@ def step_time(cfg: Any, plan: Any) -> StepTime | None:
     s, arch = plan.shape, plan.shape["arch"]
     u, world = units(cfg), plan.shape["world"]
     flops, bandwidth = hw.peak_tflops * 1e12 * MFU, hw.memory_bandwidth_gbs * 1e9
-    psi, wbytes = s["psi"], state_bytes(hw.precision, hw.zero_stage).weight
+    psi, wbytes = s["psi"], compute_bytes(hw.precision)
     prompt, response = s["prompt"], r.max_new_tokens
     k = r.tensor_parallel_size if r.engine == "vllm" else 1
     engines = max(world // k, 1)

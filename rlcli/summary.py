@@ -20,8 +20,9 @@ def startup_summary(t: Any) -> str:
         "rlcli train",
         f"  run dir        {cfg.run_dir}",
         f"  model          {cfg.model.name}: {t.model_path} ({t.model_source})",
-        f"  parameters     {n_params / 1e6:.2f}M, dtype {cfg.model.dtype}, precision {hw.precision}"
+        f"  parameters     {n_params / 1e6:.2f}M, dtype {cfg.model.dtype}"
         + (f"; LoRA r={cfg.model.lora.r}: {n_trainable / 1e6:.2f}M trainable" if cfg.model.lora.r else ""),
+        f"  precision      {precision_note(hw, r.engine)}",
         f"  hardware       {hw.name}: device {hw.device}, world size {world_size(hw)}"
         + (f" ({u.world} training, {rollout_ranks(cfg)} rollout rank(s))" if rollout_ranks(cfg) else "")
         + f", ZeRO-{hw.zero_stage}",
@@ -71,6 +72,19 @@ def startup_summary(t: Any) -> str:
         + (f"; resuming from {t.resumed_from} (step {s.step})" if t.resumed_from else ""),
     ]
     return "\n".join(lines)
+
+
+def precision_note(hw: Any, engine: str) -> str:
+    """Which precision each part of a run computes in, and whether this device has bf16 natively."""
+    from rlcli.config import mixed_precision, native_bf16
+
+    native = native_bf16(hw.device)
+    if hw.precision == "fp32":
+        return "fp32 everywhere" + (f" (this {hw.device} has {native}: hw.precision=bf16 would use it)" if native else "")
+    weights = ("bf16 matmuls by autocast over fp32 weights and AdamW states (ZeRO-0)" if mixed_precision(hw) else
+               "bf16 weights and activations, fp32 master weights and AdamW states (DeepSpeed ZeRO partitions)")
+    return (f"bf16: {weights}; fp32 log-softmax, losses and advantages; {engine} sampler in bf16; "
+            + (f"native on this {hw.device} ({native})" if native else f"emulated on this {hw.device}: slower than fp32"))
 
 
 def reward_model_note(cfg: Any, here: bool) -> str:

@@ -188,12 +188,14 @@ def test_non_finite_loss_skips_the_step_at_every_stage(zero_stage, bad):
 
 
 def test_bf16_zero0_skips_a_non_finite_step():
-    """bf16 at ZeRO 0: DeepSpeed's bf16 wrapper computes the norm and skips the step; the schedule holds."""
+    """bf16 at ZeRO 0 is autocast over fp32 weights: DeepSpeed sees an fp32 model, rlcli computes the norm and skips
+    a non-finite step; the schedule holds."""
     e = make_engine(0, precision="bf16", lr=1e-2, warmup_steps=4)
-    want = hand_norm(e)  # fp32 gradient at the bf16 weights; DeepSpeed's norm is over bf16 gradients
+    assert all(p.dtype == torch.float32 for p in e.module.parameters())
+    want = hand_norm(e)
     accumulate(e)
     res = e.step()
-    assert res.applied and res.grad_norm == pytest.approx(want, rel=2e-2)
+    assert res.applied and res.grad_norm == pytest.approx(want, rel=1e-5)
     before, epoch = snapshot(e), e.scheduler.last_epoch
     accumulate(e, float("nan"))
     res = e.step()
@@ -202,6 +204,30 @@ def test_bf16_zero0_skips_a_non_finite_step():
     assert e.scheduler.last_epoch == epoch
     accumulate(e)
     assert e.step().applied and e.scheduler.last_epoch == epoch + 1
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_bf16_steps_fp32_master_weights_an_update_below_bf16_resolution_still_moves_them(stage):
+    """hw.precision=bf16 keeps fp32 master weights at every ZeRO stage. Weights at 1.0 and Adam's first step of
+    lr = 1e-5 (lr x sign(g)): 1 - 1e-5 rounds back to 1.0 in bf16 (its spacing at 1 is 2^-8 below), so on bf16 weights
+    the update would vanish; the fp32 master moves by lr. ZeRO-0: the module's own fp32 weights (rlcli's autocast);
+    ZeRO-1: DeepSpeed's fp32 partition."""
+    hw = HWConfig(num_threads=1, zero_stage=stage, precision="bf16")
+    eng.init_distributed(hw)
+    model = tiny_model()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(1.0)
+    e = eng.Engine(model, hw, OptimConfig(lr=1e-5, max_grad_norm=1e9), total_steps=10)
+    accumulate(e)
+    assert e.step().applied
+    master = (torch.cat([p.detach().flatten() for p in e.module.parameters()]) if stage == 0 else
+              torch.cat([g.flatten() for g in e.ds.optimizer.single_partition_of_fp32_groups]))
+    assert master.dtype == torch.float32
+    assert torch.tensor(1 - 1e-5).bfloat16().item() == 1.0  # below bf16's resolution at 1
+    moved = master != 1.0
+    assert moved.sum() > 100  # the weights with a gradient (at all-equal weights many have none)
+    assert (1.0 - master[moved]).abs().sub(1e-5).abs().max() < 1e-6  # by lr (Adam's eps shaves the smallest gradients')
 
 
 @pytest.mark.slow

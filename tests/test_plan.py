@@ -50,9 +50,9 @@ def test_bf16_model_states_per_zero_stage(stage, weights, grads, optim):
 
 
 def test_zero0_and_fp32_model_states():
-    # bf16 ZeRO-0 is DeepSpeed's DDP_BFLOAT16 path: Adam steps the bf16 weights, bf16 m and v (2 + 2 + 4).
+    # bf16 ZeRO-0 is autocast over fp32 weights: fp32's 4 + 4 + 8, and autocast's bf16 copy of the weights (2).
     s = model_states(PSI, PSI, "bf16", 0, 8, False, False)
-    assert (s.weights, s.grads, s.optim) == (2 * PSI, 2 * PSI, 4 * PSI)
+    assert (s.weights, s.grads, s.optim) == (6 * PSI, 4 * PSI, 8 * PSI)
     # fp32 ZeRO-0: the weights are the master copy; Adam m and v (4 + 4 + 8 = 16 bytes per parameter).
     s = model_states(PSI, PSI, "fp32", 0, 1, False, False)
     assert (s.weights, s.grads, s.optim) == (4 * PSI, 4 * PSI, 8 * PSI)

@@ -14,6 +14,15 @@ from torch import Tensor
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def autocast(hw: Any) -> Any:
+    """The context every forward pass of the trained models runs in (scoring, the update, HF generation): bf16
+    autocast under `rlcli.config.mixed_precision(hw)`, else a no-op. Backward passes follow the forward's dtypes by themselves;
+    log-softmax, losses and reductions stay fp32 (rlcli casts logits to fp32 before them)."""
+    from rlcli.config import mixed_precision
+
+    return torch.autocast(hw.device, dtype=torch.bfloat16, enabled=mixed_precision(hw))
+
+
 def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
     """A folder whose tokenizer_config names PreTrainedTokenizerFast (our tiny tokenizer) is loaded
     with that class directly: AutoTokenizer may substitute a model-family tokenizer
@@ -217,7 +226,8 @@ def logits_chunk_for(model: torch.nn.Module, chunk: int) -> tuple[int, str]:
         args = (model, ids[:, :6], ones[:, :6], ids[:, 6:], ones[:, 6:], 1.0)
         whole, _ = response_logprobs(*args, chunk=0)  # [2, 10]
         parts, _ = response_logprobs(*args, chunk=3)  # [2, 10] in four chunks
-    tol = 1e-4 if next(model.parameters()).dtype == torch.float32 else 5e-2
+    p = next(model.parameters())
+    tol = 1e-4 if p.dtype == torch.float32 and not torch.is_autocast_enabled(p.device.type) else 5e-2
     err = float((whole - parts).abs().max())
     if err > tol:
         return 0, (f"whole sequence: chunked log-probs differ from the model's own logits by {err:.3g} nats "

@@ -281,7 +281,7 @@ def response_head_outputs(
     tp = prompt_ids.shape[1]
     inputs = joint_inputs(prompt_ids, prompt_mask, response_ids, token_mask, device)
     head_out = critic(**inputs, return_head_outputs=True)
-    head_out = head_out[:, tp - 1 : -1]  # [n, T, K] state before each response token
+    head_out = head_out[:, tp - 1 : -1].float()  # [n, T, K] state before each response token (fp32 under autocast)
     valid = token_mask.to(device).bool()[..., None]  # [n, T, 1]
     return torch.where(valid, head_out, torch.zeros_like(head_out))
 

@@ -190,12 +190,6 @@ class RewardConfig:
                 "code_memory_mb": self.code.memory_mb, "code_url": self.code.url}
 
 
-def reward_model_dtype(cfg: Any) -> str:
-    """The dtype reward.rm's model is loaded in (root config `cfg`): bfloat16 under hw.precision=bf16, as the policy
-    runs, else model.dtype. Its loader (rlcli.rewards.model) and the memory plan read it here."""
-    return "bfloat16" if cfg.hw.precision == "bf16" else cfg.model.dtype
-
-
 def group_base() -> RewardConfig:
     """The node the ``reward`` config group composes onto: every default except ``weights``,
     which starts empty so each selected YAML adds exactly its own part."""

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rlcli.rewards.config import reward_model_dtype
+from rlcli.config import inference_dtype
 from rlcli.rm.model import score
 from rlcli.schema import ConfigError
 
@@ -87,7 +87,7 @@ class ModelScorer:
         from rlcli.rm.model import load_reward_model
 
         rm = cfg.reward.rm
-        model_cfg = OmegaConf.merge(cfg.model, {"path": rm.path, "tokenizer_path": None, "dtype": reward_model_dtype(cfg),
+        model_cfg = OmegaConf.merge(cfg.model, {"path": rm.path, "tokenizer_path": None, "dtype": inference_dtype(cfg),
                                                 "gradient_checkpointing": False, "lora": {"r": 0}})
         model, tokenizer, new_head = load_reward_model(model_cfg, rm.path, cfg.seed)
         if new_head:

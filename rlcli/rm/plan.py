@@ -18,6 +18,7 @@ from rlcli.plan import (
     Plan,
     activation_bytes,
     arch_of,
+    compute_bytes,
     device_memory,
     layer_params,
     lora_param_count,
@@ -57,7 +58,7 @@ def estimate(cfg: Any, longest: tuple[int, str] | None = None) -> Plan:
         states.weights += trainable * state_bytes(hw.precision, hw.zero_stage).weight
     seq, seq_note = longest or (cfg.rm.max_len, "rm.max_len, a bound")
     rows = micro_rows(cfg)
-    act_bytes = 2 if hw.precision == "bf16" else 4
+    act_bytes = compute_bytes(hw.precision)
     table = {"weights": states.weights, "gradients": states.grads, "optimizer states": states.optim,
              "activations": activation_bytes(arch, rows, seq, act_bytes, m.gradient_checkpointing)}
     notes = {"weights": f"Ψ = {psi / 1e9:.4f}B (backbone + score head) x {state_bytes(hw.precision, hw.zero_stage).weight} B",

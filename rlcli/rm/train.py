@@ -23,10 +23,11 @@ from tqdm.auto import tqdm
 from rlcli import checkpoint as ckpt
 from rlcli import engine as eng
 from rlcli.algos.functional import bradley_terry_loss, preference_metrics
+from rlcli.config import trained_model
 from rlcli.data import PromptStream
 from rlcli.engine.collectives import all_reduce, barrier, rank_zero_first
 from rlcli.metrics import MetricsLogger, RunLog, _fixed, _significant, memory_metrics
-from rlcli.models import resolve_model_path
+from rlcli.models import autocast, resolve_model_path
 from rlcli.rm.model import encode, load_reward_model, rewards, score
 from rlcli.rm.pairs import Pair, load_pairs
 from rlcli.state import NonFiniteTraining, rng_state, seed_everything, set_rng_state
@@ -82,7 +83,7 @@ class RewardModelTrainer:
         seed_everything(cfg.seed)
         self.model_path, self.model_source = rank_zero_first(lambda: resolve_model_path(cfg.model, cfg.data))
         with eng.sharded_construction(cfg.hw, cfg.optim):  # ZeRO-3: each rank loads only its partition
-            model, self.tokenizer, self.new_head = load_reward_model(cfg.model, self.model_path, cfg.seed)
+            model, self.tokenizer, self.new_head = load_reward_model(trained_model(cfg), self.model_path, cfg.seed)
         if not eng.is_partitioned(model):
             model.to(eng.device(cfg.hw))
         self.engine = eng.Engine(model, cfg.hw, cfg.optim, cfg.steps, lr=cfg.rm.lr or cfg.optim.lr)
@@ -173,7 +174,8 @@ class RewardModelTrainer:
         """(r_chosen [n], r_rejected [n]) of `pairs` from one forward over their 2n sequences, as `score` reads them."""
         prompts = [p["prompt"] for p in pairs]
         enc = encode(self.tokenizer, prompts * 2, [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs])
-        r = rewards(self.engine.module, enc["input_ids"], enc["attention_mask"])  # [2n]
+        with autocast(self.cfg.hw):
+            r = rewards(self.engine.module, enc["input_ids"], enc["attention_mask"])  # [2n]
         return r[: len(pairs)], r[len(pairs) :]
 
     @staticmethod
@@ -200,8 +202,9 @@ class RewardModelTrainer:
         shard = self.eval_pairs[self.rank :: self.world]
         batch = max(1, self.cfg.hw.micro_batch)
         prompts = [p["prompt"] for p in shard]
-        r_c = score(self.engine.module, self.tokenizer, prompts, [p["chosen"] for p in shard], batch)
-        r_r = score(self.engine.module, self.tokenizer, prompts, [p["rejected"] for p in shard], batch)
+        with autocast(self.cfg.hw):
+            r_c = score(self.engine.module, self.tokenizer, prompts, [p["chosen"] for p in shard], batch)
+            r_r = score(self.engine.module, self.tokenizer, prompts, [p["rejected"] for p in shard], batch)
         m = self.reduced(r_c, r_r, prefix="eval/pair_")
         return {"eval/pair_accuracy": m["eval/pair_accuracy"], "eval/pair_margin": m["eval/pair_margin"]}
 

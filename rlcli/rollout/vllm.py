@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from rlcli.batch import RolloutBatch
+from rlcli.config import inference_dtype
 from rlcli.engine.collectives import consecutive_groups, gather_objects, group_rank
 from rlcli.rollout.hf import encode_prompts, rollout_batch
 from rlcli.rollout.sampling import Sampling
@@ -89,7 +90,7 @@ class VLLMEngine:
         self.collective = self.group is not None  # the members generate together (evaluation pads its shards)
         threads = torch.get_num_threads()  # vLLM drops torch to 1 thread "for serving": training needs them
         kwargs: dict[str, Any] = dict(
-            model=path, tokenizer=cfg.model.tokenizer_path or path, dtype=cfg.model.dtype, seed=cfg.seed,
+            model=path, tokenizer=cfg.model.tokenizer_path or path, dtype=inference_dtype(cfg), seed=cfg.seed,
             enforce_eager=r.enforce_eager, tensor_parallel_size=r.tensor_parallel_size,
             generation_config="vllm", logprobs_mode="processed_logprobs", max_logprobs=1,
             trust_remote_code=cfg.model.trust_remote_code, enable_sleep_mode=r.sleep_mode,
