@@ -37,6 +37,7 @@ class RolloutBatch:
     old_logp: Tensor | None = None  # [N, T] the trainer's log-probs of the sampling policy (temperature-scaled)
     rollout_logp: Tensor | None = None  # [N, T] the sampler's own log-probs of its tokens (rollout correction)
     ref_logp: Tensor | None = None  # [N, T] reference policy log-probs (only with KL)
+    teacher_logp: Tensor | None = None  # [N, T] the distillation teacher's log-probs (only with distill.teacher)
     values: Tensor | None = None  # [N, T] critic values at sampling time (value-clip centre)
     adv_values: Tensor | None = None  # [N, T] values GAE uses: V_aug with the seed option, else `values`
     advantages: Tensor | None = None  # [N, T]

@@ -87,7 +87,7 @@ def check_inputs(cfg: Any, splits: tuple[str, ...]) -> None:
     directory, with reward=rm), reward.judge (its API key's variable, a local judge's directory; the server is not
     asked). A ConfigError names the key."""
     from rlcli.data.loaders import check_files
-    from rlcli.models.config import check_model_path
+    from rlcli.models.config import check_model_path, check_teacher
     from rlcli.rewards.config import check_importable, check_judge, check_reward_model
 
     check_model_path(cfg.model)
@@ -95,6 +95,8 @@ def check_inputs(cfg: Any, splits: tuple[str, ...]) -> None:
     check_importable(cfg.reward)
     check_reward_model(cfg.reward)
     check_judge(cfg.reward)
+    if "train" in splits:
+        check_teacher(cfg)
 
 
 def train_job(cfg: Any) -> dict[str, Any] | None:

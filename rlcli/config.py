@@ -21,7 +21,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from rlcli.algos.config import AlgoConfig
+from rlcli.algos.config import AlgoConfig, DistillConfig
 from rlcli.checkpoint import CheckpointConfig
 from rlcli.data.config import DataConfig
 from rlcli.loggers import check_installed
@@ -397,6 +397,8 @@ class Config:
     """Multi-turn rollout: environment and tools (conf/env/; null name = single-turn)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer and LR schedule (the actor's)."""
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """On-policy distillation from a teacher model (README, "Distillation"); off while distill.teacher is null."""
     critic: CriticConfig = field(default_factory=CriticConfig)
     """The value model, built only when algo.adv_estimator needs values (gae, vapo_grpo_hybrid)."""
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -580,6 +582,7 @@ def validate(cfg: DictConfig | Any) -> None:
     """Every field against the range or choices its schema declares (rlcli.schema), then the rules that relate
     fields; raise ConfigError naming key and fix. Nothing is loaded before this passes."""
     from rlcli.algos.config import validate as validate_algo
+    from rlcli.algos.config import validate_distill
     from rlcli.data.config import validate as validate_data
     from rlcli.models.config import validate_critic, validate_tiny
     from rlcli.rewards.config import validate as validate_reward
@@ -589,6 +592,7 @@ def validate(cfg: DictConfig | Any) -> None:
     check_ranges(cfg, Config)
     resolve_precision(cfg.hw)
     validate_algo(cfg.algo)
+    validate_distill(cfg)
     validate_reward(cfg.reward)
     parse_objective(cfg.sweep.objective, cfg.steps)
     validate_data(cfg.data)

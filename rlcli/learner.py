@@ -108,6 +108,7 @@ class Learner:
         self.ref = None
         if a.kl_coef > 0:
             self.ref = model if cfg.model.lora.r else self.frozen_copy(model, lambda: load_policy(trained_model(cfg), model_path)[0])
+        self.teacher = self.load_teacher() if cfg.distill.teacher else None
         self.actor = eng.Engine(model, cfg.hw, cfg.optim, units.optimizer_steps)
         # The critic exists only for estimators that need values; VAPO pretrains it first.
         self.critic: eng.Engine | None = None
@@ -124,6 +125,20 @@ class Learner:
         # hw.logits_chunk only where the chunked pass reproduces the model's own logits (checked once here).
         with autocast(cfg.hw):
             self.chunk, self.chunk_note = logits_chunk_for(self.actor.module, cfg.hw.logits_chunk)
+
+    def load_teacher(self) -> torch.nn.Module:
+        """The distillation teacher (distill.teacher): frozen, eval mode, in the student's dtype and precision, sharded
+        like the reference under ZeRO-3. No adapters, no checkpointing: it only scores."""
+        from omegaconf import OmegaConf
+
+        model_cfg = OmegaConf.merge(trained_model(self.cfg), {
+            "path": self.cfg.distill.teacher, "tokenizer_path": None, "gguf_file": None, "lora": {"r": 0},
+            "gradient_checkpointing": False})
+        teacher = eng.frozen_model(lambda: load_policy(model_cfg, self.cfg.distill.teacher)[0], self.cfg.hw,
+                                   self.cfg.optim)
+        if not eng.is_partitioned(teacher):
+            teacher.to(self.device)
+        return teacher
 
     def build_critic(self) -> torch.nn.Module:
         return load_critic(self.cfg.critic, self.model_path, DTYPES[trained_model(self.cfg).dtype])
@@ -189,6 +204,10 @@ class Learner:
             out["old_logp"] = old
         if self.ref is not None and (phase.trains_actor or kl_in_reward):
             out["ref_logp"] = self.reference_logprobs(batch)
+        if self.teacher is not None and phase.trains_actor:  # on-policy distillation: both policies' log-probs
+            out["teacher_logp"] = self.logprobs(batch, self.teacher)
+            if "old_logp" not in out:  # on-policy updates skip this pass otherwise
+                out["old_logp"] = self.logprobs(batch)
         if self.critic is not None:
             out["values"] = out["adv_values"] = self.values(self.critic.module, batch)
             if self.v_pretrained is not None:  # option: V_aug = w(t) V_pre + (1 - w(t)) V

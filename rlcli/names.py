@@ -30,7 +30,7 @@ class Names(tuple):
 
 ADVANTAGES = Names("advantage estimator", (
     "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae", "rank", "weighted_baseline",
-    "hierarchical", "vapo_grpo_hybrid",
+    "hierarchical", "vapo_grpo_hybrid", "none",
 ))
 NEEDS_VALUES = frozenset({"gae", "vapo_grpo_hybrid"})
 """Estimators that read `values`: the trainer builds a critic exactly when the estimator is here."""

@@ -19,6 +19,7 @@ pretraining is the same step in another phase (the critic alone learns, on Monte
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections import defaultdict
@@ -32,7 +33,7 @@ from rlcli import __version__
 from rlcli import checkpoint as ckpt
 from rlcli import engine as eng
 from rlcli.algos.advantages import AdvantageInputs, compute_advantages, outcome_token_rewards
-from rlcli.algos.functional import kl_estimate
+from rlcli.algos.functional import distill_advantages, kl_estimate
 from rlcli.algos.kl import build_kl_controller
 from rlcli.batch import RolloutBatch
 from rlcli.config import units
@@ -235,6 +236,11 @@ class Trainer:
             reduce=all_reduce if self.units.world > 1 else None,
         )
         advantages, returns = compute_advantages(inp, a)
+        if batch.teacher_logp is not None:  # on-policy distillation joins any algorithm's advantage, per token
+            d = self.cfg.distill
+            advantages = advantages + distill_advantages(batch.old_logp, batch.teacher_logp, batch.loss_mask, d.coef,
+                                                         d.discount)
+            metrics |= distill_metrics(batch, d.unlikely_p)
         return batch.replace(advantages=advantages, returns=returns), metrics
 
     # ------------------------------------------------------------------ 7: evaluation, checkpoints
@@ -349,3 +355,16 @@ def duration(seconds: float) -> str:
     if seconds < 3600:
         return f"{int(seconds // 60)} min {int(seconds % 60):02d} s"
     return f"{int(seconds // 3600)} h {int(seconds % 3600 // 60):02d} min"
+
+
+def distill_metrics(batch: RolloutBatch, unlikely_p: float) -> dict[str, float]:
+    """distill/* over the loss mask's tokens of all ranks: the sampled reverse KL log π_student − log π_teacher (mean
+    per token), the teacher's log-prob of the sampled tokens, and the fraction it gives a probability below
+    `unlikely_p` (distill.unlikely_p)."""
+    m = batch.loss_mask.bool()  # [N, T]
+    student, teacher = batch.old_logp[m], batch.teacher_logp[m]  # [n_tokens] each
+    rkl, t_logp, unlikely, n = all_reduce(torch.stack([
+        (student - teacher).sum(), teacher.sum(), (teacher < math.log(unlikely_p)).float().sum(),
+        m.sum().float()])).tolist()
+    n = max(n, 1.0)
+    return {"distill/reverse_kl": rkl / n, "distill/teacher_logp": t_logp / n, "distill/unlikely_frac": unlikely / n}

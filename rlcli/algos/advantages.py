@@ -133,6 +133,13 @@ def _same(x: Tensor) -> tuple[Tensor, Tensor]:
 # ---------------------------------------------------------------------------------------------------
 
 
+@ADVANTAGES.register("none")
+def no_advantage(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
+    """Zero task advantage: the policy learns only from terms added after this stage (on-policy distillation's
+    per-token signal, `algo=distill`)."""
+    return _same(torch.zeros_like(inp.mask, dtype=torch.float32))
+
+
 @ADVANTAGES.register("grpo")
 def grpo(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
     """GRPO (arXiv:2402.03300): (R - mean_g)/(std_g + 1e-6) per group, on every response token."""

@@ -180,3 +180,30 @@ def validate(cfg: Any) -> None:
             f"algo.rollout_correction_lower={lower} must be below algo.rollout_correction_upper={upper} (weights "
             "outside [lower, upper] are zeroed), or null"
         )
+
+
+@dataclass
+class DistillConfig:
+    """On-policy distillation (README, "Distillation"): the student samples, a frozen teacher scores every sampled
+    token, and coef x (log π_teacher(y_t) − log π_student(y_t)) joins the algorithm's advantage per token."""
+
+    teacher: str | None = None
+    """The teacher: a local Hugging Face model directory (a run's <run>/policy works); null = no distillation. Its
+    tokenizer must be the student's (the same vocabulary and ids), checked before any weights load. Loaded once,
+    frozen, in eval mode, in the student's dtype; sharded like the reference model under ZeRO-3."""
+    coef: float = rng(1.0, gt=0)
+    """Weight of the per-token distillation advantage, added to algo's advantage (algo=distill: the only one)."""
+    discount: float = rng(0.0, ge=0, le=1)
+    """γ of the distillation advantage over response tokens: coef x Σ_{k≥t} γ^(k−t) r_k. 0 = each token's own reward
+    (Thinking Machines' choice); 1 = the reverse KL of the rest of the response."""
+    unlikely_p: float = rng(0.01, gt=0, lt=1)
+    """distill/unlikely_frac counts the sampled tokens to which the teacher gives a probability below this."""
+
+
+def validate_distill(cfg: Any) -> None:
+    """The distill group against the algorithm (root config `cfg`)."""
+    check_ranges(cfg.distill, DistillConfig, "distill.")
+    if cfg.algo.adv_estimator == "none" and not cfg.distill.teacher:
+        raise ConfigError(f"algo={cfg.algo.name} (algo.adv_estimator=none) learns only from a teacher: set "
+                          "distill.teacher=<a model directory>, e.g. a trained run's <run>/policy")
+

@@ -408,6 +408,25 @@ def _k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
     return (torch.exp(d) - d - 1).clamp(-K3_OUTPUT_CLAMP, K3_OUTPUT_CLAMP)
 
 
+def distill_advantages(student_logp: Tensor, teacher_logp: Tensor, mask: Tensor, coef: float,
+                       discount: float) -> Tensor:
+    """On-policy distillation's per-token advantage (Agarwal et al. 2024, arXiv:2306.13649; Thinking Machines,
+    "On-Policy Distillation", 2025). Each sampled token's reward is the negative of the sampled reverse-KL estimate,
+    r_t = log π_teacher(y_t) − log π_student(y_t); the advantage is coef · Σ_{k ≥ t} γ^(k−t) r_k over the mask's
+    tokens (γ = `discount`, counted in mask tokens: an observation between two turns neither pays nor discounts).
+    γ = 0, the default, is each token's own r_t (Thinking Machines' choice). Shapes: [N, T] each -> [N, T]; exactly
+    0 where the mask is 0, and exactly 0 everywhere when the teacher's log-probs equal the student's."""
+    mask = mask.to(student_logp.dtype)
+    r = (teacher_logp - student_logp) * mask  # [N, T]
+    if discount == 0:
+        return coef * r
+    out, acc = torch.zeros_like(r), torch.zeros_like(r[:, 0])  # [N, T], [N]
+    for t in range(r.shape[1] - 1, -1, -1):
+        acc = torch.where(mask[:, t] > 0, r[:, t] + discount * acc, acc)
+        out[:, t] = acc * mask[:, t]
+    return coef * out
+
+
 def kl_estimate(logp: Tensor, ref_logp: Tensor, kind: str) -> Tensor:
     """Per-token KL estimate. Shapes: logp, ref_logp [N, T] -> [N, T].
 

@@ -282,28 +282,39 @@ def frozen_copy(model: torch.nn.Module, hw: Any, optim: Any,
                 build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
     """An inference-only copy of `model`'s current weights (the KL reference policy): no grads, eval mode.
 
-    At ZeRO 0-2 a deep copy. Under ZeRO-3 `model`'s parameters are partitions, so `build()` makes a new
-    module of the same architecture inside `sharded_construction`, DeepSpeed wraps it without an optimizer
-    (each rank keeps a partition; forward passes gather layers as the policy's do), and each rank copies its
-    own partition of every parameter from `model`: nothing is gathered whole."""
+    At ZeRO 0-2 a deep copy. Under ZeRO-3 `model`'s parameters are partitions, so `build()` makes a new module of
+    the same architecture partitioned as it is built (frozen_model), and each rank copies its own partition of every
+    parameter from `model`: nothing is gathered whole."""
     import copy
 
+    if not is_partitioned(model):
+        return _frozen(copy.deepcopy(model))
+    ref = frozen_model(build, hw, optim)
+    with torch.no_grad():
+        for src, dst in zip(model.parameters(), ref.parameters(), strict=True):
+            dst.ds_tensor.copy_(src.ds_tensor)
+    return ref
+
+
+def frozen_model(build: Callable[[], torch.nn.Module], hw: Any, optim: Any) -> torch.nn.Module:
+    """An inference-only model made by `build()` (the distillation teacher; the reference's architecture): no grads,
+    eval mode. Under ZeRO-3 it is partitioned over the ranks as it is built and DeepSpeed wraps it without an
+    optimizer, so each rank holds a partition and forward passes gather layers as the policy's do."""
+    if hw.zero_stage != 3:
+        return _frozen(build())
     import deepspeed
 
-    if not is_partitioned(model):
-        ref = copy.deepcopy(model)
-    else:
-        with sharded_construction(hw, optim):
-            ref = build()
-        config = ds_config(hw, optim)
-        config["zero_optimization"].pop("offload_optimizer", None)
-        ref = deepspeed.initialize(model=ref, config=config)[0].module
-        with torch.no_grad():
-            for src, dst in zip(model.parameters(), ref.parameters(), strict=True):
-                dst.ds_tensor.copy_(src.ds_tensor)
-    for p in ref.parameters():
+    with sharded_construction(hw, optim):
+        model = build()
+    config = ds_config(hw, optim)
+    config["zero_optimization"].pop("offload_optimizer", None)
+    return _frozen(deepspeed.initialize(model=model, config=config)[0].module)
+
+
+def _frozen(model: torch.nn.Module) -> torch.nn.Module:
+    for p in model.parameters():
         p.requires_grad_(False)
-    return ref.eval()
+    return model.eval()
 
 
 def is_partitioned(module: torch.nn.Module) -> bool:

@@ -157,6 +157,31 @@ def check_model_path(model_cfg: Any) -> None:
                           "holding config.json), e.g. one written by save_pretrained")
 
 
+def check_teacher(cfg: Any) -> None:
+    """`rlcli train` with distill.teacher, before any weights load: a model directory whose tokenizer is the student's
+    (every token the same id), since the teacher scores the student's token ids. Loads the two tokenizers only."""
+    import os
+
+    teacher = cfg.distill.teacher
+    if not teacher:
+        return
+    if not os.path.isfile(os.path.join(os.path.expanduser(teacher), "config.json")):
+        raise ConfigError(f"distill.teacher={teacher} is not a model directory (no config.json there): point it at a "
+                          "Hugging Face model directory, e.g. a trained run's <run>/policy")
+    from rlcli.models.policy import load_tokenizer, tokenizer_source
+
+    student_dir = tokenizer_source(cfg.model)
+    student = load_tokenizer(student_dir, cfg.model.trust_remote_code).get_vocab()
+    theirs = load_tokenizer(teacher, cfg.model.trust_remote_code).get_vocab()
+    if theirs != student:
+        moved = sum(theirs.get(tok) != i for tok, i in student.items())
+        raise ConfigError(
+            f"distill.teacher={teacher} has another tokenizer than the student's ({student_dir}): {len(theirs)} "
+            f"tokens against {len(student)}, {moved} of the student's tokens missing or at another id. The teacher "
+            "scores the student's token ids, so both need one vocabulary: choose a teacher of the student's family "
+            "(e.g. a trained run of this model, <run>/policy)")
+
+
 def _in_hub_cache(hub_id: str, files: tuple[str, ...]) -> bool:
     """One of the hub model's `files` is in the local Hugging Face cache (HF_HUB_CACHE / HF_HOME); no network."""
     try:
