@@ -503,6 +503,18 @@ def trained_model(cfg: Any) -> Any:
     return OmegaConf.merge(cfg.model, {"dtype": "float32"}) if mixed_precision(cfg.hw) else cfg.model
 
 
+def teacher_model(cfg: Any) -> Any:
+    """distill.teacher as a model config, trained-model dtype, no adapters, no checkpointing: the `model:` node of a
+    model preset (conf/model/<name>.yaml, resolved as `model=<name>` resolves: a GGUF conversion, the tiny model's
+    warm start, cached), or cfg.model pointed at a local directory."""
+    name = cfg.distill.teacher
+    preset = Path(__file__).resolve().parent / "conf" / "model" / f"{name}.yaml"
+    frozen = {"dtype": trained_model(cfg).dtype, "lora": {"r": 0}, "gradient_checkpointing": False}
+    if "/" not in name and preset.is_file():
+        return OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(preset).model, frozen)
+    return OmegaConf.merge(cfg.model, {"path": name, "tokenizer_path": None, "gguf_file": None}, frozen)
+
+
 def inference_dtype(cfg: Any) -> str:
     """The dtype of the models that only infer, in the trainer's precision (root config `cfg`): bfloat16 under
     hw.precision=bf16, else model.dtype. The vLLM sampler, reward.rm's model and the memory plan read it here."""

@@ -40,7 +40,17 @@ from rlcli.algos.losses import POLICY_LOSSES
 from rlcli.batch import RolloutBatch
 from rlcli.config import BatchUnits, trained_model
 from rlcli.engine.collectives import agree_max, all_reduce, global_stats
-from rlcli.models import DTYPES, autocast, eval_mode, load_policy, logits_chunk_for, response_logprobs
+from rlcli.models import (
+    DTYPES,
+    autocast,
+    eval_mode,
+    load_policy,
+    logits_chunk_for,
+    resolve_model_path,
+    response_log_softmax,
+    response_logprobs,
+    response_outputs,
+)
 from rlcli.models.value import (
     augmented_values,
     critic_loss,
@@ -129,13 +139,12 @@ class Learner:
     def load_teacher(self) -> torch.nn.Module:
         """The distillation teacher (distill.teacher): frozen, eval mode, in the student's dtype and precision, sharded
         like the reference under ZeRO-3. No adapters, no checkpointing: it only scores."""
-        from omegaconf import OmegaConf
+        from rlcli.config import teacher_model
+        from rlcli.engine.collectives import rank_zero_first
 
-        model_cfg = OmegaConf.merge(trained_model(self.cfg), {
-            "path": self.cfg.distill.teacher, "tokenizer_path": None, "gguf_file": None, "lora": {"r": 0},
-            "gradient_checkpointing": False})
-        teacher = eng.frozen_model(lambda: load_policy(model_cfg, self.cfg.distill.teacher)[0], self.cfg.hw,
-                                   self.cfg.optim)
+        model_cfg = teacher_model(self.cfg)
+        path, _ = rank_zero_first(lambda: resolve_model_path(model_cfg, self.cfg.data))
+        teacher = eng.frozen_model(lambda: load_policy(model_cfg, path)[0], self.cfg.hw, self.cfg.optim)
         if not eng.is_partitioned(teacher):
             teacher.to(self.device)
         return teacher
@@ -308,12 +317,15 @@ class Learner:
     def micro_loss(self, mb: RolloutBatch, norms: dict[str, float]) -> tuple[Tensor, dict[str, float]]:
         """The loss of one micro-batch, already divided by the mini-batch normalizers, so summing
         micro-batch gradients over micro-batches and ranks gives the mini-batch gradient."""
-        a = self.cfg.algo
+        a, d, t = self.cfg.algo, self.cfg.distill, self.cfg.rollout.temperature
         mask = mb.loss_mask.to(self.device)  # [n, T]
+        inputs = (mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.token_mask)
+        full_kl = self.teacher is not None and d.full_kl_coef > 0
         with autocast(self.cfg.hw):
-            logp, entropy = response_logprobs(
-                self.actor.module, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.token_mask,
-                self.cfg.rollout.temperature, with_entropy=True, entropy_grad=a.entropy_coef != 0, chunk=self.chunk,
+            teacher = response_log_softmax(self.teacher, *inputs, t) if full_kl else None  # [n, T, V]
+            logp, entropy, kl_full = response_outputs(
+                self.actor.module, *inputs, t, with_entropy=True, entropy_grad=a.entropy_coef != 0, chunk=self.chunk,
+                kl_to=teacher,
             )  # [n, T] each, fp32
         old = logp.detach()  # on-policy: the ratio is exactly 1 and its gradient is ∇log π
         if self.off_policy == "bypass":
@@ -354,6 +366,11 @@ class Learner:
             kl_loss = aggregate(kl_estimate(logp, mb.ref_logp.to(self.device), a.kl_estimator), mask, a.loss_agg, **agg)
             loss = loss + a.kl_coef * kl_loss  # in the loss β is fixed (algo.kl_target needs kl_in_reward)
             metrics["actor/kl_loss"] = kl_loss.item()
+        if full_kl:  # on-policy distillation's exact term: KL(π_student ‖ π_teacher) over the vocabulary, per position
+            kl_loss = aggregate(kl_full, mask, a.loss_agg, **agg)
+            loss = loss + d.full_kl_coef * kl_loss
+            metrics["distill/full_kl"] = aggregate(kl_full.detach(), mask, "token_mean",
+                                                   num_tokens=norms["num_tokens"]).item()
         if a.nll_coef:  # VAPO positive-example LM loss: NLL over tokens of correct responses
             nll = positive_example_nll(logp, mask, (mb.acc > 0.5).to(self.device), norms["num_correct_tokens"])
             loss = loss + a.nll_coef * nll

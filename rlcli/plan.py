@@ -427,6 +427,8 @@ def _estimate(cfg: Any, prompt: tuple[int, str], budget: int | None, budget_note
     rows["critic"] = critic
     if MODEL_PART in cfg.reward.weights:
         rows["reward model"], notes["reward model"] = reward_model_bytes(cfg, arch)
+    if cfg.distill.teacher:
+        rows["teacher"], notes["teacher"], host = teacher_bytes(cfg, arch, wbytes, world, host)
 
     # The update: micro-batches of at most hw.micro_batch rows of the per-rank mini-batch, capped in tokens.
     u = units(cfg)
@@ -443,6 +445,9 @@ def _estimate(cfg: Any, prompt: tuple[int, str], budget: int | None, budget_note
     rows["logits chunk"] = logits_bytes(arch, mb, tp, r.max_new_tokens, hw.logits_chunk, act_bytes)
     c = min(hw.logits_chunk, r.max_new_tokens) if hw.logits_chunk else seq
     notes["logits chunk"] = f"fp32 [{mb}, {c}, {arch.vocab}] x 4 + head output"
+    if cfg.distill.teacher and cfg.distill.full_kl_coef > 0:  # the teacher's whole distributions, held for the update
+        rows["teacher log-probs"] = mb * r.max_new_tokens * arch.vocab * 4.0
+        notes["teacher log-probs"] = f"fp32 [{mb}, {r.max_new_tokens}, {arch.vocab}] (distill.full_kl_coef)"
 
     gen_p = (r.gen_prompts_per_step or p) if a.dynamic_sampling else p
     gen_rows = min(r.gen_batch_size, max(1, gen_p // world * g))
@@ -481,15 +486,36 @@ def _estimate(cfg: Any, prompt: tuple[int, str], budget: int | None, budget_note
         rows["runtime"] = CPU_RUNTIME_GIB * GIB
         notes["runtime"] = "python + torch + transformers + DeepSpeed (measured)"
 
-    static = sum(rows[k] for k in ("weights", "gradients", "optimizer states", "reference model", "critic",
+    static = sum(rows[k] for k in ("weights", "gradients", "optimizer states", "reference model", "teacher", "critic",
                                    "reward model", "runtime") if k in rows)
-    update = rows["activations"] + rows["logits chunk"] + (rows[ROLLOUT] if resident else 0.0)
+    update = (rows["activations"] + rows["logits chunk"] + rows.get("teacher log-probs", 0.0)
+              + (rows[ROLLOUT] if resident else 0.0))
     peak = static + max(update, rows[ROLLOUT])
     shape = {"psi": psi, "trainable": trainable, "world": world, "micro_rows": mb, "seq": seq, "prompt": tp,
              "prompt_note": tp_note, "budget": budget, "budget_note": budget_note, "gen_rows": gen_rows,
              "kv_room_tokens": kv_room, "arch": arch, "phase": "update" if update >= rows[
                  ROLLOUT] else "rollout", "resident": resident}
     return Plan(rows, notes, peak, dev, dev_note, host, shape, blockers)
+
+
+def teacher_bytes(cfg: Any, policy: Arch, wbytes: int, world: int, host: float) -> tuple[float, str, float]:
+    """distill.teacher: its frozen weights in the student's bytes per weight, partitioned like the reference model
+    under ZeRO-3 (offloaded with offload_params), from the teacher's config.json (else the student's shape, said so).
+    -> (bytes per device, note, host bytes)"""
+    from rlcli.config import teacher_model
+
+    hw, model = cfg.hw, teacher_model(cfg)
+    if model.path is None or os.path.isfile(os.path.join(model.path, "config.json")):
+        arch, note = arch_of(model), f"frozen, {cfg.distill.teacher}"
+    else:
+        arch, note = policy, "frozen, the student's shape (distill.teacher has no config.json here)"
+    size = param_count(arch) * wbytes
+    if hw.zero_stage == 3:
+        if hw.offload_params and hw.device != "cpu":
+            host, size = host + size / world, 2 * layer_params(arch) * wbytes
+        else:
+            size = size / world
+    return size, f"{note}: {param_count(arch) / 1e9:.3f}B params", host
 
 
 def reward_model_bytes(cfg: Any, policy: Arch) -> tuple[float, str]:

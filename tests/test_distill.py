@@ -7,7 +7,6 @@ import time
 
 import pytest
 import torch
-
 from conftest import FAST, compose
 
 STUDENT = torch.tensor([[-1.0, -2.0, -0.5, 0.0], [-0.2, -0.4, -0.6, -0.8]])  # [2, 4] log π_student(y_t)
@@ -74,3 +73,83 @@ def test_algo_distill_needs_a_teacher():
 
     with pytest.raises(ConfigError, match=r"algo=distill .* set distill.teacher="):
         validate(compose(*FAST, "algo=distill", run_dir="/tmp/unused"))
+
+
+def test_full_vocabulary_reverse_kl_equals_the_direct_sum_and_its_gradient_passes_finite_differences():
+    from rlcli.algos.functional import reverse_kl_full
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 3, 7, generator=g, dtype=torch.float64)  # [n, T, V], temperature-scaled
+    other = torch.log_softmax(torch.randn(2, 3, 7, generator=g, dtype=torch.float64), -1)
+    p = torch.softmax(logits, -1)
+    direct = torch.stack([torch.stack([sum(p[i, t, v] * (torch.log(p[i, t, v]) - other[i, t, v]) for v in range(7))
+                                       for t in range(3)]) for i in range(2)])
+    assert torch.allclose(reverse_kl_full(logits, other).double(), direct, atol=1e-6)
+    assert (reverse_kl_full(logits, other) >= 0).all() and reverse_kl_full(other, other).abs().max() < 1e-6
+    x = logits.clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda z: (torch.log_softmax(z, -1).exp() * (torch.log_softmax(z, -1) - other))
+                                    .sum(-1), (x,), eps=1e-6, atol=1e-5)
+    # rlcli's function (fp32 inside) against finite differences of itself in float64 on a random direction
+    u = torch.randn_like(logits)
+    f = lambda z: reverse_kl_full(z, other).sum().double()  # noqa: E731
+    x = logits.float().clone().requires_grad_(True)
+    f(x).backward()
+    fd = (f((logits + 1e-3 * u).float()) - f((logits - 1e-3 * u).float())) / 2e-3
+    assert abs(float((x.grad.double() * u).sum()) - float(fd)) < 1e-3
+
+
+@pytest.mark.parametrize("chunk", [0, 3])
+def test_the_update_pass_gives_the_full_kl_of_the_models_own_logits(chunk):
+    """response_outputs' kl (whole sequence and chunked) equals KL computed from the student's and the teacher's own
+    logits to 1e-6, in the same pass as the log-probs (which are unchanged by asking for it)."""
+    from rlcli.models import response_log_softmax, response_logprobs, response_outputs
+    from rlcli.models.config import TinyModelConfig
+    from rlcli.models.tiny import build_tiny_model, load_tiny_tokenizer
+
+    tiny = TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
+    student, teacher = (build_tiny_model(tiny, load_tiny_tokenizer(), seed=s).eval() for s in (0, 1))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, 100, (3, 9), generator=g)
+    ones = torch.ones_like(ids)
+    args = (ids[:, :4], ones[:, :4], ids[:, 4:], ones[:, 4:], 0.7)
+    t_logp = response_log_softmax(teacher, *args)  # [3, 5, V]
+    logp, _, kl = response_outputs(student, *args, chunk=chunk, kl_to=t_logp)
+    with torch.no_grad():
+        s_logp = torch.log_softmax(student(input_ids=ids).logits[:, 3:-1].float() / 0.7, -1)  # [3, 5, V]
+    direct = (s_logp.exp() * (s_logp - t_logp)).sum(-1)
+    assert torch.allclose(kl, direct, atol=1e-6) and kl.requires_grad
+    assert torch.equal(logp, response_logprobs(student, *args, chunk=chunk)[0])
+
+
+def test_full_kl_term_trains_and_is_logged(make_trainer):
+    """distill.full_kl_coef > 0 with algo=distill: a step whose loss holds the full-vocabulary KL to a different
+    teacher (the random-init tiny model of another seed) logs distill/full_kl > 0 and moves the weights."""
+    plain = make_trainer("save=false", run="plain")
+    t = make_trainer("save=false", "algo=distill", "distill.coef=0", "distill.full_kl_coef=1.0",
+                     f"distill.teacher={plain.model_path}", "model.warm_start.seed=1", run="student")
+    before = [p.detach().clone() for p in t.learner.actor.module.parameters()]
+    m = t.train_step(1)
+    assert m["distill/full_kl"] > 0 and m["distill/reverse_kl"] != 0
+    assert any(not torch.equal(a, p) for a, p in zip(before, t.learner.actor.module.parameters()))
+
+
+def test_the_memory_plan_counts_the_teacher(tmp_path):
+    """The teacher's weights (its own config.json's shape, the student's bytes per weight), divided over the ranks at
+    ZeRO-3; the teacher's whole log-probs in the update with distill.full_kl_coef."""
+    from types import SimpleNamespace
+
+    from rlcli.plan import arch_of, estimate, param_count
+
+    teacher = tmp_path / "teacher"
+    teacher.mkdir()
+    shape = {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 100,
+             "num_attention_heads": 4, "tie_word_embeddings": True}
+    (teacher / "config.json").write_text(json.dumps(shape))
+    psi = param_count(arch_of(SimpleNamespace(path=str(teacher), gguf_file=None)))
+    plan = estimate(compose(f"distill.teacher={teacher}", run_dir="/tmp/unused"))
+    assert plan.rows["teacher"] == psi * 4 and "teacher log-probs" not in plan.rows
+    plan = estimate(compose(f"distill.teacher={teacher}", "distill.full_kl_coef=1", "hw=cpu_x2", "hw.zero_stage=3",
+                            run_dir="/tmp/unused"))
+    assert plan.rows["teacher"] == psi * 4 / 2
+    mb = plan.shape["micro_rows"]
+    assert plan.rows["teacher log-probs"] == mb * 48 * 100 * 4

@@ -2,7 +2,6 @@
 hw.precision=auto decided once, at validation. The fp32 master's own test: tests/test_engine.py."""
 
 import torch
-
 from conftest import FAST, compose
 
 

@@ -188,11 +188,17 @@ class DistillConfig:
     token, and coef x (log π_teacher(y_t) − log π_student(y_t)) joins the algorithm's advantage per token."""
 
     teacher: str | None = None
-    """The teacher: a local Hugging Face model directory (a run's <run>/policy works); null = no distillation. Its
-    tokenizer must be the student's (the same vocabulary and ids), checked before any weights load. Loaded once,
-    frozen, in eval mode, in the student's dtype; sharded like the reference model under ZeRO-3."""
-    coef: float = rng(1.0, gt=0)
-    """Weight of the per-token distillation advantage, added to algo's advantage (algo=distill: the only one)."""
+    """The teacher: a local Hugging Face model directory (a run's <run>/policy works) or a model preset's name
+    (conf/model/, e.g. tiny_exact_carry); null = no distillation. Its tokenizer must be the student's (the same
+    vocabulary and ids), checked before any weights load. Loaded once, frozen, in eval mode, in the student's dtype;
+    sharded like the reference model under ZeRO-3."""
+    coef: float = rng(1.0, ge=0)
+    """Weight of the per-token distillation advantage coef x (log π_teacher(y_t) − log π_student(y_t)) on the sampled
+    tokens, added to algo's advantage (algo=distill: the only one)."""
+    full_kl_coef: float = rng(0.0, ge=0)
+    """Weight of the exact reverse KL over the whole vocabulary, KL(π_student ‖ π_teacher) at every response
+    position, as a loss term aggregated like the policy loss (GKD's reverse-KL objective, arXiv:2306.13649). 0 = off;
+    it costs a teacher forward per update micro-batch and [rows, T, vocab] fp32 of the teacher's log-probs."""
     discount: float = rng(0.0, ge=0, le=1)
     """γ of the distillation advantage over response tokens: coef x Σ_{k≥t} γ^(k−t) r_k. 0 = each token's own reward
     (Thinking Machines' choice); 1 = the reverse KL of the rest of the response."""
@@ -203,6 +209,10 @@ class DistillConfig:
 def validate_distill(cfg: Any) -> None:
     """The distill group against the algorithm (root config `cfg`)."""
     check_ranges(cfg.distill, DistillConfig, "distill.")
+    d = cfg.distill
+    if d.teacher and d.coef == 0 and d.full_kl_coef == 0:
+        raise ConfigError(f"distill.teacher={d.teacher} with distill.coef=0 and distill.full_kl_coef=0 would load a "
+                          "teacher that teaches nothing: set distill.coef (e.g. 1.0) or distill.full_kl_coef")
     if cfg.algo.adv_estimator == "none" and not cfg.distill.teacher:
         raise ConfigError(f"algo={cfg.algo.name} (algo.adv_estimator=none) learns only from a teacher: set "
                           "distill.teacher=<a model directory>, e.g. a trained run's <run>/policy")

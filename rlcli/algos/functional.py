@@ -427,6 +427,14 @@ def distill_advantages(student_logp: Tensor, teacher_logp: Tensor, mask: Tensor,
     return coef * out
 
 
+def reverse_kl_full(logits: Tensor, other_logp: Tensor) -> Tensor:
+    """The exact reverse KL over the whole vocabulary at each position, KL(π ‖ π_other) = Σ_v π(v) (log π(v) −
+    log π_other(v)), π = softmax(logits) (GKD's reverse-KL divergence with the student as π: Agarwal et al. 2024,
+    arXiv:2306.13649, §3). Shapes: logits [..., V] (already temperature-scaled), other_logp [..., V] -> [...]."""
+    logp = torch.log_softmax(logits.float(), -1)
+    return (logp.exp() * (logp - other_logp)).sum(-1)
+
+
 def kl_estimate(logp: Tensor, ref_logp: Tensor, kind: str) -> Tensor:
     """Per-token KL estimate. Shapes: logp, ref_logp [N, T] -> [N, T].
 

@@ -11,6 +11,8 @@ import torch
 import torch.utils.checkpoint
 from torch import Tensor
 
+from rlcli.models.config import tokenizer_source  # noqa: F401 (re-exported: rlcli.models)
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -57,21 +59,6 @@ def resolve_model_path(model_cfg: Any, data_cfg: Any) -> tuple[str, str]:
     path = warm_start(tiny, ws, **warm_start_data(data_cfg))
     return path, (f"embedded tiny model, warm-started by `rlcli sft` (cached): {ws.steps}x{ws.batch_size} "
                   f"demonstrations, carry_slip {ws.carry_slip}")
-
-
-def tokenizer_source(model_cfg: Any) -> str:
-    """Where the run's tokenizer loads from, without resolving the weights: model.tokenizer_path, model.path, the
-    conversion of model.gguf_file (converted now if not cached), or the tiny model's shipped tokenizer (its warm
-    start saves the same one)."""
-    if model_cfg.tokenizer_path or model_cfg.path:
-        return model_cfg.tokenizer_path or model_cfg.path
-    if model_cfg.gguf_file:
-        from rlcli.models.gguf import converted
-
-        return converted(model_cfg.gguf_file)
-    from rlcli.models.tiny import TOKENIZER_DIR
-
-    return str(TOKENIZER_DIR)
 
 
 def as_objects(*nodes: Any) -> list[Any]:
@@ -156,39 +143,75 @@ def response_logprobs(
     model whose logits are its output projection of the last hidden state: pass the chunk that
     `logits_chunk_for` returned, which is 0 for other models.
     """
+    logp, entropy, _ = response_outputs(model, prompt_ids, prompt_mask, response_ids, token_mask, temperature,
+                                        with_entropy, entropy_grad, chunk)
+    return logp, entropy
+
+
+def response_outputs(
+    model: torch.nn.Module,
+    prompt_ids: Tensor,  # [n, Tp]
+    prompt_mask: Tensor,  # [n, Tp]
+    response_ids: Tensor,  # [n, T]
+    token_mask: Tensor,  # [n, T]
+    temperature: float,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+    chunk: int = 0,
+    kl_to: Tensor | None = None,  # [n, T, V] another policy's log-softmax at the same temperature, no grad
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """`response_logprobs`' one pass, and with `kl_to` also the exact reverse KL to that policy at every response
+    position, KL(π ‖ π_other)_t = Σ_v π(v) (log π(v) − log π_other(v)) over the whole vocabulary, in the graph
+    (on-policy distillation's full-vocabulary term, distill.full_kl_coef). -> (logp, entropy or None, kl or None),
+    [n, T] each."""
     device = next(model.parameters()).device
     tp = prompt_ids.shape[1]
     inputs = joint_inputs(prompt_ids, prompt_mask, response_ids, token_mask, device)
     targets = response_ids.to(device)  # [n, T]
     if not chunk:
         logits = model(**inputs, use_cache=False).logits[:, tp - 1 : -1]  # [n, T, V] predicts response tokens
-        return _token_logprobs(logits, targets, temperature, with_entropy, entropy_grad)
+        return _token_outputs(logits, targets, temperature, with_entropy, entropy_grad, kl_to)
     hidden = model.get_decoder()(**inputs, use_cache=False).last_hidden_state[:, tp - 1 : -1]  # [n, T, H]
     head = model.get_output_embeddings()
 
-    def part(h: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:  # [n, c, H], [n, c] -> [n, c] each
-        logp, entropy = _token_logprobs(head(h), y, temperature, with_entropy, entropy_grad)
-        return logp, entropy if entropy is not None else torch.zeros_like(logp)
+    def part(h: Tensor, y: Tensor, other: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:  # [n, c, H], [n, c] -> [n, c]
+        logp, entropy, kl = _token_outputs(head(h), y, temperature, with_entropy, entropy_grad, other)
+        return (logp, torch.zeros_like(logp) if entropy is None else entropy,
+                torch.zeros_like(logp) if kl is None else kl)
 
+    others = kl_to.to(device).split(chunk, 1) if kl_to is not None else [None] * len(targets.split(chunk, 1))
     parts = [
-        torch.utils.checkpoint.checkpoint(part, h, y, use_reentrant=False) if torch.is_grad_enabled() else part(h, y)
-        for h, y in zip(hidden.split(chunk, 1), targets.split(chunk, 1))
+        torch.utils.checkpoint.checkpoint(part, h, y, o, use_reentrant=False) if torch.is_grad_enabled() else part(h, y, o)
+        for h, y, o in zip(hidden.split(chunk, 1), targets.split(chunk, 1), others)
     ]
     logp = torch.cat([p[0] for p in parts], 1)  # [n, T]
-    return logp, torch.cat([p[1] for p in parts], 1) if with_entropy else None
+    return (logp, torch.cat([p[1] for p in parts], 1) if with_entropy else None,
+            torch.cat([p[2] for p in parts], 1) if kl_to is not None else None)
 
 
-def _token_logprobs(
-    logits: Tensor, targets: Tensor, temperature: float, with_entropy: bool, entropy_grad: bool
-) -> tuple[Tensor, Tensor | None]:
-    """[n, t, V] logits, [n, t] targets -> (log-probs of the targets [n, t], entropy [n, t] or None),
-    in fp32 from logits divided by the temperature."""
-    from rlcli.algos.functional import entropy_from_logits
+def response_log_softmax(model: torch.nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
+                         token_mask: Tensor, temperature: float) -> Tensor:
+    """The whole next-token distribution at every response position, log_softmax(logits / temperature) in fp32,
+    without grad: the `kl_to` of `response_outputs` (a distillation teacher's). -> [n, T, V]"""
+    device = next(model.parameters()).device
+    inputs = joint_inputs(prompt_ids, prompt_mask, response_ids, token_mask, device)
+    with torch.no_grad():
+        logits = model(**inputs, use_cache=False).logits[:, prompt_ids.shape[1] - 1 : -1]  # [n, T, V]
+        return torch.log_softmax(logits.float() / temperature, -1)
+
+
+def _token_outputs(
+    logits: Tensor, targets: Tensor, temperature: float, with_entropy: bool, entropy_grad: bool,
+    kl_to: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """[n, t, V] logits, [n, t] targets -> (log-probs of the targets [n, t], entropy [n, t] or None, the reverse KL
+    to `kl_to` [n, t] or None), in fp32 from logits divided by the temperature."""
+    from rlcli.algos.functional import entropy_from_logits, reverse_kl_full
 
     logits = logits.float() / temperature
     logp = torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     entropy = entropy_from_logits(logits if entropy_grad else logits.detach()) if with_entropy else None
-    return logp, entropy
+    return logp, entropy, reverse_kl_full(logits, kl_to) if kl_to is not None else None
 
 
 @contextmanager

@@ -18,9 +18,8 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from rlcli.models.config import CHARS, SPECIAL_TOKENS, TinyModelConfig
+from rlcli.models.config import CHARS, SPECIAL_TOKENS, TOKENIZER_DIR, TinyModelConfig
 
-TOKENIZER_DIR = Path(__file__).parent / "tokenizer"
 MODEL_MAX_LENGTH = 512
 
 
