@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import statistics
@@ -105,7 +106,11 @@ def train_steps(overrides: list[str], steps: int = STEPS) -> dict[str, float]:
     out |= {key: statistics.median(r.get(key, 0.0) for r in rows) for key in MEDIANS
             if key in rows[0] or not key.startswith("rollout_corr/")}
     out["params_m"] = sum(getattr(p, "ds_numel", p.numel()) for p in trainer.learner.actor.module.parameters()) / 1e6
+    out["precision"] = cfg.hw.precision
+    learner = trainer.learner  # scoring passes of the policy's size over the batch: old log-probs, reference, teacher
+    out["score_passes"] = (not trainer.units.on_policy) + (learner.ref is not None) + (learner.teacher is not None)
     out["trajectories"] = trainer.units.N
+    out["groups"] = trainer.units.P
     out["ranks"] = cfg.hw.nproc * cfg.hw.nnodes
     out["tokens_per_step"] = out["trajectories"] * (out["prompt_length/mean"] + out["response_length/mean"])
     out["peak_mem_gb"] = peak_mem_gb()
@@ -139,12 +144,51 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{'measure':<34}" + "".join(f"{'rollout.engine=' + e:>22}" for e in ENGINES))
         for label, key, fmt in rows:
             print(f"{label:<34}" + "".join(f"{res[e][key]:>22{fmt}}" for e in ENGINES))
+        print(stage_rates(res, matmul_peak(first["precision"])))
     if not only or only in ASYNC_SHAPE:
         async_vs_sync(argv)
     if not only:
         scoring_memory()
     if not only or only in CODE_SHAPE:
         code_executions()
+
+
+def matmul_peak(precision: str, n: int = 2048, reps: int = 5) -> float:
+    """This machine's dense matmul rate at `precision` in GFLOP/s: the best of `reps` [n, n] @ [n, n] products after
+    a warm-up, on torch's intra-op threads (the rate the training step's large matmuls can approach)."""
+    import torch
+
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(n, n, generator=g).to(dtype) for _ in range(2))
+    a @ b
+    best = math.inf
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best / 1e9
+
+
+def stage_rates(res: dict[str, dict[str, float]], peak: float) -> str:
+    """Each stage's achieved GFLOP/s and its share of the matmul peak, per engine; forward tokens per group with and
+    without a shared prompt. FLOPs: 2Ψ per token of a forward pass, 6Ψ of a forward and backward (attention's own,
+    small at these lengths, left out): rollout = prefill + decoding of every row (2Ψ x its prompt and response
+    tokens), scoring = 2Ψ x the same tokens per scoring pass, update = 6Ψ x them."""
+    first = next(iter(res.values()))
+    lines = [f"{'matmul peak, ' + first['precision']:<34}{peak:>22.0f} GFLOP/s (2048^3, best of 5, this machine)"]
+    for stage, per_token, passes in (("rollout", 2, lambda r: 1), ("score", 2, lambda r: r["score_passes"]),
+                                     ("update", 6, lambda r: 1)):
+        cells = []
+        for r in res.values():
+            flops = per_token * r["params_m"] * 1e6 * r["tokens_per_step"] * passes(r)
+            s = r[f"timing_s/{stage}"]
+            cells.append(f"{flops / s / 1e9:.0f} ({100 * flops / s / 1e9 / peak:.0f}%)" if flops and s > 0 else "-")
+        lines.append(f"{stage + ' GFLOP/s (% of peak)':<34}" + "".join(f"{c:>22}" for c in cells))
+    g, tp, t = first["trajectories"] / first["groups"], first["prompt_length/mean"], first["response_length/mean"]
+    lines.append(f"{'forward tokens per group':<34}{g * (tp + t):>22.0f} = G x (prompt + response); a shared prompt's "
+                 f"forward would need {tp + g * t:.0f} = prompt + G x response (not built yet)")
+    return "\n".join(lines)
 
 
 # Asynchronous rollout pays when generation and the update take comparable time. On the default task the update

@@ -153,3 +153,13 @@ def test_the_memory_plan_counts_the_teacher(tmp_path):
     assert plan.rows["teacher"] == psi * 4 / 2
     mb = plan.shape["micro_rows"]
     assert plan.rows["teacher log-probs"] == mb * 48 * 100 * 4
+
+
+def test_a_lora_student_is_scored_with_its_adapters(make_trainer):
+    """A LoRA student of its own base as the teacher: peft's adapters start as an exact no-op (B = 0), so the
+    adapted student's log-probs equal the teacher's and the reverse KL is exactly 0; after one update they differ."""
+    plain = make_trainer("save=false", run="plain")
+    t = make_trainer("save=false", "model.lora.r=4", "optim.lr=1e-2", f"distill.teacher={plain.model_path}",
+                     run="lora")
+    assert t.train_step(1)["distill/reverse_kl"] == 0.0
+    assert t.train_step(2)["distill/reverse_kl"] != 0.0
