@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from conftest import FAST, compose
+from conftest import FAST, compose, metric_rows, policy_tensors, rlcli, stable
 
 STUDENT = torch.tensor([[-1.0, -2.0, -0.5, 0.0], [-0.2, -0.4, -0.6, -0.8]])  # [2, 4] log π_student(y_t)
 TEACHER = torch.tensor([[-1.5, -1.0, -0.5, -3.0], [-0.3, -0.1, -0.9, -0.6]])  # [2, 4] log π_teacher(y_t)
@@ -163,3 +163,27 @@ def test_a_lora_student_is_scored_with_its_adapters(make_trainer):
                      run="lora")
     assert t.train_step(1)["distill/reverse_kl"] == 0.0
     assert t.train_step(2)["distill/reverse_kl"] != 0.0
+
+
+def test_a_resumed_distillation_run_equals_the_straight_one(tmp_path):
+    """`rlcli train` with a teacher of its own shape (a smaller tiny model: only the tokenizer must match),
+    checkpointed after step 1 and resumed from it: step 2's metrics (distill/* included) and the saved policy are
+    bit-identical to the straight run's. The teacher holds no state: the resumed run loads it again."""
+    from rlcli.models.config import TinyModelConfig
+    from rlcli.models.tiny import build_tiny_model, load_tiny_tokenizer
+
+    teacher = tmp_path / "teacher"
+    tok = load_tiny_tokenizer()
+    build_tiny_model(TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64), tok,
+                     seed=3).save_pretrained(teacher)
+    tok.save_pretrained(teacher)
+    args = [*FAST, "steps=2", "eval.before=false", f"distill.teacher={teacher}"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    rlcli(tmp_path, "train", "checkpoint.every=1", f"hydra.run.dir={straight}", *args)
+    steps = [r for r in stable(metric_rows(straight)) if "actor/pg_loss" in r]
+    assert [r["step"] for r in steps] == [1, 2] and all(r["distill/reverse_kl"] != 0 for r in steps)
+    out = rlcli(tmp_path, "train", f"resume={straight / 'checkpoints' / 'step_1'}", f"hydra.run.dir={resumed}", *args)
+    assert "1 of 2 steps done" in out.stdout
+    assert [r for r in stable(metric_rows(resumed)) if "actor/pg_loss" in r] == steps  # step 1 from the checkpoint
+    a, b = policy_tensors(straight), policy_tensors(resumed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
