@@ -165,18 +165,37 @@ def test_a_lora_student_is_scored_with_its_adapters(make_trainer):
     assert t.train_step(2)["distill/reverse_kl"] != 0.0
 
 
-def test_a_resumed_distillation_run_equals_the_straight_one(tmp_path):
-    """`rlcli train` with a teacher of its own shape (a smaller tiny model: only the tokenizer must match),
-    checkpointed after step 1 and resumed from it: step 2's metrics (distill/* included) and the saved policy are
-    bit-identical to the straight run's. The teacher holds no state: the resumed run loads it again."""
+def small_teacher(directory):
+    """A tiny model of its own shape (only the tokenizer must match the student's), saved to `directory`."""
     from rlcli.models.config import TinyModelConfig
     from rlcli.models.tiny import build_tiny_model, load_tiny_tokenizer
 
-    teacher = tmp_path / "teacher"
     tok = load_tiny_tokenizer()
     build_tiny_model(TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64), tok,
-                     seed=3).save_pretrained(teacher)
-    tok.save_pretrained(teacher)
+                     seed=3).save_pretrained(directory)
+    tok.save_pretrained(directory)
+    return directory
+
+
+def test_a_teacher_partitioned_under_zero3_scores_as_a_whole_one(make_trainer, tmp_path):
+    """hw.zero_stage=3: the teacher is built partitioned and wrapped by DeepSpeed without an optimizer
+    (rlcli.engine.frozen_model); its scores, the distillation metrics and the step equal ZeRO-0's (1e-5: summation
+    order)."""
+    teacher = small_teacher(tmp_path / "teacher")
+    z0 = make_trainer("save=false", f"distill.teacher={teacher}", run="z0")
+    z3 = make_trainer("save=false", f"distill.teacher={teacher}", "hw.zero_stage=3", run="z3")
+    assert any(hasattr(p, "ds_id") for p in z3.learner.teacher.parameters())  # partitioned
+    a, b = z0.train_step(1), z3.train_step(1)
+    for k in ("distill/reverse_kl", "distill/teacher_logp", "distill/unlikely_frac", "actor/pg_loss", "actor/grad_norm",
+              "adv/mean"):
+        assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-7), k
+
+
+def test_a_resumed_distillation_run_equals_the_straight_one(tmp_path):
+    """`rlcli train` with a teacher of its own shape, checkpointed after step 1 and resumed from it: step 2's metrics
+    (distill/* included) and the saved policy are bit-identical to the straight run's. The teacher holds no state:
+    the resumed run loads it again."""
+    teacher = small_teacher(tmp_path / "teacher")
     args = [*FAST, "steps=2", "eval.before=false", f"distill.teacher={teacher}"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     rlcli(tmp_path, "train", "checkpoint.every=1", f"hydra.run.dir={straight}", *args)
