@@ -42,6 +42,9 @@ def startup_summary(t: Any) -> str:
         f"dynamic_sampling={a.dynamic_sampling}",
         f"  reward         {dict(cfg.reward.weights)}{reward_model_note(cfg, 'rm' in t.rewards.scorers)}"
         f"{judge_note(cfg, 'judge' in t.rewards.scorers)}",
+        "  distillation   " + ("none" if learner.teacher is None else
+                               f"teacher {cfg.distill.teacher}, coef {cfg.distill.coef} per sampled token (discount "
+                               f"{cfg.distill.discount}), full-vocabulary KL coef {cfg.distill.full_kl_coef}"),
         "  critic         "
         + (f"{cfg.critic.head} head from {cfg.critic.path or 'the policy'}, lr {cfg.critic.lr}, "
            f"value pretraining {u.pretrain_steps} steps" if learner.critic is not None else "none"),

@@ -42,6 +42,10 @@ def test_a_teacher_equal_to_the_student_changes_nothing_bit_for_bit(make_trainer
     for (n, p), q in zip(plain.learner.actor.module.named_parameters(), same.learner.actor.module.parameters()):
         assert torch.equal(p, q), n
     assert all(not p.requires_grad for p in same.learner.teacher.parameters()) and not same.learner.teacher.training
+    from rlcli.summary import startup_summary
+
+    assert f"distillation   teacher {plain.model_path}, coef 1.0" in startup_summary(same)
+    assert "distillation   none" in startup_summary(plain)
 
 
 def test_a_teacher_with_another_tokenizer_is_refused_before_any_weights_load(tmp_path):
