@@ -70,7 +70,10 @@ def test_every_estimator_is_finite_and_zero_when_masked(name, kl_beta):
         assert torch.isfinite(x).all()
         assert (x[~inp.mask] == 0).all()
         assert not x.requires_grad
-    assert adv[inp.mask].abs().sum() > 0
+    if name == "none":  # algo=distill: the task adds nothing; the teacher's term comes after this stage
+        assert (adv == 0).all() and (ret == 0).all()
+    else:
+        assert adv[inp.mask].abs().sum() > 0
 
 
 def test_needs_values_is_a_subset_and_enforced():
