@@ -117,7 +117,8 @@ class Learner:
         # policy module itself, scored with its adapters disabled (reference_logprobs).
         self.ref = None
         if a.kl_coef > 0:
-            self.ref = model if cfg.model.lora.r else self.frozen_copy(model, lambda: load_policy(trained_model(cfg), model_path)[0])
+            self.ref = model if cfg.model.lora.r else self.frozen_copy(
+                model, lambda: load_policy(trained_model(cfg), model_path)[0])
         self.teacher = self.load_teacher() if cfg.distill.teacher else None
         self.actor = eng.Engine(model, cfg.hw, cfg.optim, units.optimizer_steps)
         # The critic exists only for estimators that need values; VAPO pretrains it first.

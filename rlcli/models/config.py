@@ -10,10 +10,10 @@ from typing import Any
 
 from rlcli.schema import ConfigError, check_ranges, rng
 
-SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
-# Printable ASCII plus newline: enough for math prompts, worked steps and `\boxed{}`.
 TOKENIZER_DIR = Path(__file__).parent / "tokenizer"
 """The tiny model's character tokenizer, shipped in the package (rlcli/models/tiny.py builds the same)."""
+SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
+# Printable ASCII plus newline: enough for math prompts, worked steps and `\boxed{}`.
 CHARS = tuple(chr(i) for i in range(32, 127)) + ("\n",)
 
 HEADS = ("scalar", "multi", "distributional")
@@ -175,20 +175,22 @@ def tokenizer_source(model_cfg: Any) -> str:
 
 def check_teacher(cfg: Any) -> None:
     """`rlcli train` with distill.teacher, before any weights load: a model directory whose tokenizer is the student's
-    (every token the same id), since the teacher scores the student's token ids. Loads the two tokenizers only."""
+    (every token the same id), since the teacher scores the student's token ids. Reads the two vocabularies only."""
     import os
 
     teacher = cfg.distill.teacher
     if not teacher:
         return
     from rlcli.config import teacher_model
+
     model = teacher_model(cfg)
     if model.path and not os.path.isfile(os.path.join(os.path.expanduser(teacher), "config.json")):
         raise ConfigError(f"distill.teacher={teacher} is neither a model directory (no config.json there) nor a model "
                           "preset (conf/model/): point it at a Hugging Face model directory, e.g. a trained run's "
                           "<run>/policy, or name a preset, e.g. tiny_exact_carry")
     student_dir = tokenizer_source(cfg.model)
-    student, theirs = (_vocab(d) or _load_vocab(d, cfg.model.trust_remote_code) for d in (student_dir, tokenizer_source(model)))
+    student, theirs = (_vocab(d) or _load_vocab(d, cfg.model.trust_remote_code)
+                       for d in (student_dir, tokenizer_source(model)))
     if theirs != student:
         moved = sum(theirs.get(tok) != i for tok, i in student.items())
         raise ConfigError(
