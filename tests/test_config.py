@@ -24,7 +24,8 @@ NEEDS = {("model", "hf"): ["model.path=/some/dir"],
          ("reward", "rm"): ["reward.rm.path=/some/dir"],
          ("recipe", "rlhf/ppo_rm"): ["reward.rm.path=/some/dir"],
          ("recipe", "rlhf/grpo_rm"): ["reward.rm.path=/some/dir"],
-         ("recipe", "rlhf/grpo_judge"): ["reward.judge.url=http://127.0.0.1:8000", "reward.judge.model=judge"]}
+         ("recipe", "rlhf/grpo_judge"): ["reward.judge.url=http://127.0.0.1:8000", "reward.judge.model=judge"],
+         ("algo", "distill"): ["distill.teacher=tiny_exact_carry"]}
 
 
 def test_the_rlhf_and_code_recipes_are_what_they_say():
