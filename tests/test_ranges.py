@@ -30,6 +30,8 @@ FREE = {
     "model.lora.target_modules": "module names of the loaded model; peft reports unknown names when it wraps it",
     "model.warm_start.cache_dir": "a directory, created on first use",
     "critic.path": "a directory: only loading it can tell",
+    "distill.teacher": "a model directory or a model preset's name: cli.check_inputs reads its tokenizer against the "
+                       "student's before anything loads (tests/test_distill.py)",
     "hw.name": "a preset's label; any text",
     "hw.master_addr": "a host name or address: only the rendezvous can tell",
     "reward.custom": "dotted paths of user functions; their names and shape are checked in rewards.config.validate "
@@ -258,6 +260,8 @@ OUT_OF_RANGE = {
     "optim.lr": [0, -5e-5, NAN], "optim.weight_decay": [-0.01], "optim.betas": [1.0, -0.1], "optim.eps": [0],
     "optim.warmup_steps": [-1], "optim.scheduler": ["step"], "optim.max_grad_norm": [0, -1],
     "optim.max_skipped_steps": [0],
+    "distill.coef": [-1.0, NAN], "distill.full_kl_coef": [-0.1], "distill.discount": [1.5, -0.1],
+    "distill.unlikely_p": [0, 1.0],
     "critic.lr": [0], "critic.warmup_steps": [-1], "critic.head": ["quantile"], "critic.num_heads": [0],
     "critic.num_bins": [1], "critic.v_min": [NAN], "critic.v_max": [INF], "critic.pretrain_steps": [0],
     "critic.pretrain_ev_threshold": [1.5], "critic.aug_w0": [1.5, -0.5], "critic.aug_kappa": [-1],
