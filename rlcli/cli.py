@@ -141,10 +141,11 @@ def train_job(cfg: Any) -> dict[str, Any] | None:
     return launch(frozen, cfg.hw)
 
 
-def launch(frozen_config: str, hw: Any) -> None:
-    """Run `hw.nproc` workers under torchrun. The first SIGTERM/SIGINT/SIGHUP reaches the workers once,
-    through torchrun, which gives them hw.shutdown_timeout_s to checkpoint; later ones are not passed on
-    (a second signal would cut torchrun's wait short), except that a second SIGINT kills them all at once.
+def launch(frozen_config: str, hw: Any, job: str = "train") -> None:
+    """Run `hw.nproc` workers of `job` (rlcli.worker.WORKERS: train | rm) under torchrun. The first
+    SIGTERM/SIGINT/SIGHUP reaches the workers once, through torchrun, which gives them hw.shutdown_timeout_s to
+    checkpoint; later ones are not passed on (a second signal would cut torchrun's wait short), except that a
+    second SIGINT kills them all at once.
     If this process dies, torchrun gets SIGTERM (Linux), so no worker outlives it."""
     import contextlib
     import signal
@@ -157,7 +158,7 @@ def launch(frozen_config: str, hw: Any) -> None:
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={hw.nproc}",
         f"--nnodes={hw.nnodes}", f"--node_rank={hw.node_rank}", f"--master_addr={hw.master_addr}",
         f"--master_port={hw.master_port or free_port()}", f"--shutdown-timeout={hw.shutdown_timeout_s}",
-        "-m", "rlcli.worker", frozen_config,
+        "-m", "rlcli.worker", frozen_config, job,
     ]
     from rlcli.metrics import RunLog
 

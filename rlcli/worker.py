@@ -1,31 +1,49 @@
-"""A torchrun worker: loads the frozen run config written by `rlcli train` and trains one rank."""
+"""A torchrun worker: loads the frozen run config written by `rlcli train` or `rlcli rm` and trains one rank of
+that job (argv: the frozen config, the job's name)."""
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from typing import Any
 
 
 def main() -> None:
     from rlcli.checkpoint import stop_on_disk_full
     from rlcli.cli import _environment
     from rlcli.config import load_frozen
-    from rlcli.rollout.remote import join, placement, serve
     from rlcli.schema import ConfigError
-    from rlcli.trainer import Trainer
 
     _environment()
     _log_like_the_launcher()
     cfg = load_frozen(sys.argv[1])
-    place = placement(cfg)
-    channel = join(cfg, place) if place is not None else None  # asynchronous rollout: the rollout ranks' channel
     try:
-        if place is not None and place.generates:
-            return serve(cfg, channel, place)
         with stop_on_disk_full(cfg):
-            Trainer(cfg, channel).fit()
+            WORKERS[sys.argv[2]](cfg)
     except ConfigError as e:  # a full disk: one line, like the launcher's own errors
         print(f"rlcli: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from e
+
+
+def train(cfg: Any) -> None:
+    from rlcli.rollout.remote import join, placement, serve
+    from rlcli.trainer import Trainer
+
+    place = placement(cfg)
+    channel = join(cfg, place) if place is not None else None  # asynchronous rollout: the rollout ranks' channel
+    if place is not None and place.generates:
+        return serve(cfg, channel, place)
+    Trainer(cfg, channel).fit()
+
+
+def rm(cfg: Any) -> None:
+    from rlcli.rm.train import RewardModelTrainer
+
+    RewardModelTrainer(cfg).fit()
+
+
+WORKERS: dict[str, Callable[[Any], None]] = {"train": train, "rm": rm}
+"""A job's name (rlcli.cli.launch's `job`) -> what one of its ranks runs."""
 
 
 def _log_like_the_launcher() -> None:

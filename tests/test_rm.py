@@ -177,16 +177,23 @@ FAST_RM = ["model.warm_start.enabled=false", "rm.train_size=96", "rm.eval_size=1
 """A random-init tiny model, 8 pairs a step in two micro-batches of 4 pairs (8 sequences)."""
 
 
+@pytest.fixture(scope="module")
+def rm_run(tmp_path_factory):
+    """`rlcli rm` for 3 steps in one process, ZeRO-0: (its output, its run dir); the baseline of the 2-rank run."""
+    tmp = tmp_path_factory.mktemp("rm")
+    run = tmp / "run"
+    return rlcli(tmp, "rm", *FAST_RM, "steps=3", "checkpoint.every=2", f"hydra.run.dir={run}"), run
+
+
 @pytest.mark.slow
-def test_rlcli_rm_trains_saves_a_loadable_reward_model_that_scores_as_rlcli(tmp_path):
+def test_rlcli_rm_trains_saves_a_loadable_reward_model_that_scores_as_rlcli(rm_run):
     from transformers import AutoModelForSequenceClassification
 
     from rlcli.models import load_tokenizer
     from rlcli.rm.model import score
     from rlcli.rm.pairs import arith_pairs
 
-    run = tmp_path / "run"
-    out = rlcli(tmp_path, "rm", *FAST_RM, "steps=3", "checkpoint.every=2", f"hydra.run.dir={run}")
+    out, run = rm_run
     for said in ("rlcli rm", "memory plan: peak", "pairs          arith_pairs: 96 train, 16 held out",
                  "step 3  loss=", "held-out pair accuracy after training", "saved reward model to"):
         assert said in out.stdout, said
@@ -208,6 +215,38 @@ def test_rlcli_rm_trains_saves_a_loadable_reward_model_that_scores_as_rlcli(tmp_
     torch.testing.assert_close(ours, plain, rtol=1e-5, atol=1e-5)
     accuracy = (ours > score(model, tokenizer, prompts, [p["rejected"] for p in pairs])).float().mean()
     assert accuracy.item() == pytest.approx(result["eval_after"]["eval/pair_accuracy"], abs=1e-6)
+
+
+@pytest.mark.slow
+def test_two_ranks_at_zero3_train_the_reward_model_like_one_process(tmp_path, rm_run):
+    """`rlcli rm hw=cpu_x2 hw.zero_stage=3` launches two torchrun workers that split every batch of pairs (4 each)
+    over a partitioned model: each step's loss, accuracy and gradient norm equal the one-process run's (1e-5
+    relative: float32 summation order; a rank's missing share or a wrong normaliser moves them by a factor). The 15
+    held-out pairs split 8 + 7, the second shard topped up (every ZeRO-3 forward is a collective): the accuracy in
+    result.json equals the saved model's own accuracy on all 15, the top-up not counted."""
+    from transformers import AutoModelForSequenceClassification
+
+    from rlcli.models import load_tokenizer
+    from rlcli.rm.model import score
+    from rlcli.rm.pairs import arith_pairs
+
+    run = tmp_path / "x2"
+    out = rlcli(tmp_path, "rm", *FAST_RM, "steps=3", "checkpoint.every=0", "rm.eval_size=15", "hw=cpu_x2",
+                "hw.zero_stage=3", "hw.collective_timeout_s=120", f"hydra.run.dir={run}")
+    assert "world size 2, ZeRO-3" in out.stdout and "(4 per rank)" in out.stdout
+    one, two = ([r for r in metric_rows(r) if "rm/loss" in r] for r in (rm_run[1], run))
+    assert [r["step"] for r in two] == [1, 2, 3]
+    for r1, r2 in zip(one, two):
+        for k in ("rm/loss", "rm/accuracy", "rm/margin", "rm/grad_norm"):
+            assert r2[k] == pytest.approx(r1[k], rel=1e-5, abs=1e-7), (r1["step"], k)
+    model = AutoModelForSequenceClassification.from_pretrained(str(run / "reward_model"))
+    tokenizer = load_tokenizer(str(run / "reward_model"))
+    pairs = arith_pairs("eval", 15, 2, 2)
+    prompts = [p["prompt"] for p in pairs]
+    wins = score(model, tokenizer, prompts, [p["chosen"] for p in pairs]) > score(
+        model, tokenizer, prompts, [p["rejected"] for p in pairs])
+    result = json.loads((run / "result.json").read_text())
+    assert result["eval_after"]["eval/pair_accuracy"] == pytest.approx(wins.float().mean().item(), abs=1e-6)
 
 
 @pytest.mark.slow

@@ -96,8 +96,5 @@ def validate(cfg: Any) -> None:
     if rm.batch_size % world:
         raise ConfigError(f"rm.batch_size={rm.batch_size} is not divisible by the {world} ranks (hw.nproc x "
                           "hw.nnodes): each rank trains an equal share of every batch of pairs")
-    if world > 1:
-        raise ConfigError(f"rlcli rm runs in one process for now (hw.nproc x hw.nnodes = {world}): use hw.nproc=1 "
-                          "(any hw.zero_stage works in one process)")
     if cfg.rollout["async"].max_staleness is not None:
         raise ConfigError("rollout.async.max_staleness is set, but rlcli rm generates nothing: leave it null")

@@ -198,14 +198,19 @@ class RewardModelTrainer:
 
     # ------------------------------------------------------------------ evaluation, checkpoints
     def evaluate(self) -> dict[str, float]:
-        """Held-out pair accuracy (r_c > r_r; a tie is wrong) and margin, scored with `score`, each rank its shard."""
-        shard = self.eval_pairs[self.rank :: self.world]
+        """Held-out pair accuracy (r_c > r_r; a tie is wrong) and margin, scored with `score`, each rank its shard.
+        Every rank scores ceil(pairs / ranks) pairs, the last shard topped up with the first pair, whose scores are
+        dropped: under ZeRO-3 each forward gathers the layers from every rank, so all ranks run the same forwards."""
+        per = -(-len(self.eval_pairs) // self.world)
+        shard = self.eval_pairs[self.rank * per : (self.rank + 1) * per]
+        real = len(shard)
+        shard = shard + self.eval_pairs[:1] * (per - real)
         batch = max(1, self.cfg.hw.micro_batch)
         prompts = [p["prompt"] for p in shard]
         with autocast(self.cfg.hw):
             r_c = score(self.engine.module, self.tokenizer, prompts, [p["chosen"] for p in shard], batch)
             r_r = score(self.engine.module, self.tokenizer, prompts, [p["rejected"] for p in shard], batch)
-        m = self.reduced(r_c, r_r, prefix="eval/pair_")
+        m = self.reduced(r_c[:real], r_r[:real], prefix="eval/pair_")
         return {"eval/pair_accuracy": m["eval/pair_accuracy"], "eval/pair_margin": m["eval/pair_margin"]}
 
     def save_checkpoint(self) -> str:
