@@ -540,6 +540,13 @@ def trainer_ranks(cfg: Any) -> int:
     return world_size(cfg.hw) - rollout_ranks(cfg)
 
 
+def reward_model_partitioned(cfg: Any) -> bool:
+    """Whether reward=rm's model is partitioned over the ranks like the reference model: ZeRO-3 over several training
+    ranks that make their own batches (synchronous rollout), whose reward stages run in step, the same rows on each.
+    With rollout ranks, each of them holds it whole and scores its own batches."""
+    return cfg.hw.zero_stage == 3 and world_size(cfg.hw) > 1 and rollout_ranks(cfg) == 0
+
+
 @dataclass(frozen=True)
 class BatchUnits:
     """The batch units of a run (docs/design.md#units), derived from the config in this one place: the

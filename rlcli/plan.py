@@ -426,7 +426,7 @@ def _estimate(cfg: Any, prompt: tuple[int, str], budget: int | None, budget_note
         notes["critic"] = f"none ({a.adv_estimator} needs no values)"
     rows["critic"] = critic
     if MODEL_PART in cfg.reward.weights:
-        rows["reward model"], notes["reward model"] = reward_model_bytes(cfg, arch)
+        rows["reward model"], notes["reward model"] = reward_model_bytes(cfg, arch, world)
     if cfg.distill.teacher:
         rows["teacher"], notes["teacher"], host = teacher_bytes(cfg, arch, wbytes, world, host)
 
@@ -518,14 +518,15 @@ def teacher_bytes(cfg: Any, policy: Arch, wbytes: int, world: int, host: float) 
     return size, f"{note}: {param_count(arch) / 1e9:.3f}B params", host
 
 
-def reward_model_bytes(cfg: Any, policy: Arch) -> tuple[float, str]:
-    """reward=rm: the reward model's frozen weights, whole on every rank that makes batches (rlcli/rewards/model.py),
-    counted as `rlcli rm` counts a reward model (rlcli.rm.plan.rm_param_count), from reward.rm.path's config.json
-    (else the policy's size, said so). Its forward has no gradient and runs between generation and the update:
-    its activations are not counted."""
+def reward_model_bytes(cfg: Any, policy: Arch, world: int) -> tuple[float, str]:
+    """reward=rm: the reward model's frozen weights on a rank that makes batches (rlcli/rewards/model.py), partitioned
+    over the `world` training ranks where it is (config.reward_model_partitioned), else whole; counted as `rlcli rm`
+    counts a reward model (rlcli.rm.plan.rm_param_count), from reward.rm.path's config.json (else the policy's size,
+    said so). Its forward has no gradient and runs between generation and the update: its activations are not
+    counted."""
     from types import SimpleNamespace
 
-    from rlcli.config import inference_dtype
+    from rlcli.config import inference_dtype, reward_model_partitioned
     from rlcli.rm.plan import rm_param_count
 
     path = cfg.reward.rm.path
@@ -533,6 +534,8 @@ def reward_model_bytes(cfg: Any, policy: Arch) -> tuple[float, str]:
     arch = arch_of(SimpleNamespace(path=os.path.expanduser(path), gguf_file=None)) if readable else policy
     psi, nbytes = rm_param_count(arch), 4 if inference_dtype(cfg) == "float32" else 2
     where = "reward.rm.path" if readable else "the policy's size: reward.rm.path has no config.json here"
+    if reward_model_partitioned(cfg):
+        return psi * nbytes / world, f"Ψ = {psi / 1e9:.3f}B x {nbytes} B, frozen, / {world} ranks (ZeRO-3) ({where})"
     return psi * nbytes, f"Ψ = {psi / 1e9:.3f}B x {nbytes} B, frozen, whole on each rank ({where})"
 
 

@@ -40,7 +40,7 @@ def startup_summary(t: Any) -> str:
         f"  shaping        overlong_filter={a.overlong_filter} soft_overlong={a.soft_overlong} "
         f"(buffer {r.overlong_buffer_len} of {r.max_new_tokens} tokens) "
         f"dynamic_sampling={a.dynamic_sampling}",
-        f"  reward         {dict(cfg.reward.weights)}{reward_model_note(cfg, 'rm' in t.rewards.scorers)}"
+        f"  reward         {dict(cfg.reward.weights)}{reward_model_note(cfg, t.rewards.scorers.get('rm'))}"
         f"{judge_note(cfg, 'judge' in t.rewards.scorers)}",
         "  distillation   " + ("none" if learner.teacher is None else
                                f"teacher {cfg.distill.teacher}, coef {cfg.distill.coef} per sampled token (discount "
@@ -90,13 +90,18 @@ def precision_note(hw: Any, engine: str) -> str:
             + (f"native on this {hw.device} ({native})" if native else f"emulated on this {hw.device}: slower than fp32"))
 
 
-def reward_model_note(cfg: Any, here: bool) -> str:
-    """reward=rm: which reward model scores, how its score is normalised, and where (`here`: in this process)."""
+def reward_model_note(cfg: Any, scorer: Any) -> str:
+    """reward=rm: which reward model scores, how its score is normalised, and where (`scorer`: its ModelScorer in
+    this process, None where the rollout ranks hold it)."""
     rm = cfg.reward.rm
     if "rm" not in cfg.reward.weights:
         return ""
+    from rlcli.engine import is_partitioned
+
+    where = ", on the rollout ranks" if scorer is None else (
+        ", partitioned over the ranks (ZeRO-3)" if is_partitioned(scorer.model) else "")
     return (f"; rm = reward model {rm.path}, normalize={rm.normalize}" + (f", clip={rm.clip}" if rm.clip else "")
-            + ("" if here else ", on the rollout ranks"))
+            + where)
 
 
 def judge_note(cfg: Any, here: bool) -> str:

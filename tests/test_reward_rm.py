@@ -165,6 +165,9 @@ def test_the_memory_plan_counts_the_reward_model(rm_dir):
     psi = rm_param_count(arch_of(compose().model))  # the reward model is a tiny model too
     assert "reward model" not in without.rows and with_rm.rows["reward model"] == psi * 4  # fp32
     assert with_rm.peak == pytest.approx(without.peak + psi * 4)
+    x2 = ("hw=cpu_x2", *WITH_RM, f"reward.rm.path={rm_dir}")
+    assert estimate(compose(*x2, "hw.zero_stage=3")).rows["reward model"] == psi * 4 / 2  # partitioned like the ref
+    assert estimate(compose(*x2, "hw.zero_stage=3", "rollout.async.max_staleness=0")).rows["reward model"] == psi * 4
 
 
 # ------------------------------------------------------------------------------ end to end
@@ -204,3 +207,21 @@ def test_asynchronous_rollout_scores_on_the_rollout_rank_as_the_synchronous_run(
     out = train(tmp_path, rm_dir, "async", "rollout.async.max_staleness=0")
     assert "normalize=batch, on the rollout ranks" in out.stdout
     assert same_training(sync_run[1], tmp_path / "async")
+
+
+@pytest.mark.slow
+def test_zero3_partitions_the_reward_model_and_scores_as_whole_copies_do(tmp_path, rm_dir):
+    """hw=cpu_x2 at ZeRO-3: each training rank holds a slice of the reward model (built partitioned, like the
+    reference model) and every scoring forward gathers its layers from both ranks; the two steps' rewards, losses
+    and statistics equal those of ZeRO-0, where each rank holds it whole (1e-5 relative: float32 summation order).
+    A rank scoring other rows than it holds, or a mismatched forward count (a hang, turned into an error by
+    hw.collective_timeout_s), fails it."""
+    whole = train(tmp_path, rm_dir, "z0", "hw.num_threads=1")
+    parted = train(tmp_path, rm_dir, "z3", "hw.num_threads=1", "hw.zero_stage=3", "hw.collective_timeout_s=120")
+    assert "partitioned over the ranks (ZeRO-3)" in parted.stdout and "partitioned" not in whole.stdout
+    rows = [[r for r in metric_rows(tmp_path / run) if "reward/rm" in r] for run in ("z0", "z3")]
+    assert [r["step"] for r in rows[1]] == [1, 2]
+    for r0, r3 in zip(*rows):
+        for k in ("reward/rm", "reward/rm_std", "reward/mean", "acc/mean", "actor/pg_loss", "actor/grad_norm"):
+            assert r3[k] == pytest.approx(r0[k], rel=1e-5, abs=1e-7), (r0["step"], k)
+

@@ -16,9 +16,12 @@ rewrites the content or earlier turns (one that strips a reasoning model's <thin
 does a reward model whose tokenizer has another template: train the reward model on the policy's family.
 
 The model is loaded once per process that makes batches (each training rank with synchronous rollout, each rollout
-rank with asynchronous rollout), whole on every rank, also under ZeRO-3: each rank scores its own batches, whose
-number may differ between ranks, and a sharded model would make every forward a collective of all ranks. Frozen,
-eval mode, no gradient, in bf16 under hw.precision=bf16 (else model.dtype). Shapes: N rows of the batch.
+rank with asynchronous rollout). Under ZeRO-3 over several training ranks with synchronous rollout it is partitioned
+like the reference model (rlcli.engine.frozen_model: each rank holds a slice, every forward gathers its layers from
+all ranks): the ranks' reward stages run in step on equal batches (P / ranks x G rows), so they run the same
+forwards. Elsewhere it is whole on each rank; rollout ranks score batches whose number may differ, so there it is
+whole under ZeRO-3 too. Frozen, eval mode, no gradient, in bf16 under hw.precision=bf16 (else model.dtype).
+Shapes: N rows of the batch.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rlcli.config import inference_dtype
+from rlcli.config import inference_dtype, reward_model_partitioned
 from rlcli.rm.model import score
 from rlcli.schema import ConfigError
 
@@ -83,19 +86,28 @@ class ModelScorer:
         CPU), frozen; a directory without a trained score head is refused (a new head would score at random)."""
         from omegaconf import OmegaConf
 
+        from rlcli import engine
         from rlcli.data.templates import use_chat_template
         from rlcli.rm.model import load_reward_model
 
         rm = cfg.reward.rm
         model_cfg = OmegaConf.merge(cfg.model, {"path": rm.path, "tokenizer_path": None, "dtype": inference_dtype(cfg),
                                                 "gradient_checkpointing": False, "lora": {"r": 0}})
-        model, tokenizer, new_head = load_reward_model(model_cfg, rm.path, cfg.seed)
-        if new_head:
-            raise ConfigError(f"reward.rm.path={rm.path} has no trained score head (a causal LM, not a reward model): "
-                              "train one with `rlcli rm` and pass its <run>/reward_model")
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cfg.hw.device == "cuda" else "cpu"
-        model.to(device).eval().requires_grad_(False)
-        return cls(model, tokenizer, policy_tokenizer, use_chat_template(cfg.data.chat, policy_tokenizer),
+        loaded: dict[str, Any] = {}
+
+        def build() -> torch.nn.Module:
+            model, loaded["tokenizer"], new_head = load_reward_model(model_cfg, rm.path, cfg.seed)
+            if new_head:
+                raise ConfigError(f"reward.rm.path={rm.path} has no trained score head (a causal LM, not a reward "
+                                  "model): train one with `rlcli rm` and pass its <run>/reward_model")
+            return model
+
+        if reward_model_partitioned(cfg):
+            model = engine.frozen_model(build, cfg.hw, cfg.optim)
+        else:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cfg.hw.device == "cuda" else "cpu"
+            model = build().to(device).eval().requires_grad_(False)
+        return cls(model, loaded["tokenizer"], policy_tokenizer, use_chat_template(cfg.data.chat, policy_tokenizer),
                    rm.batch_size, rm.normalize, rm.clip)
 
     def texts(self, b: Any) -> tuple[list[str], list[str]]:
