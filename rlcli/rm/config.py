@@ -79,7 +79,7 @@ class RMConfig:
 def validate(cfg: Any) -> None:
     """The `rm` group's fields and the rules that relate them to the rest of an `rlcli rm` config; raise ConfigError
     naming the key and the fix. Nothing is loaded before this passes."""
-    from rlcli.config import trainer_ranks
+    from rlcli.config import asynchronous, trainer_ranks
 
     rm = cfg.rm
     check_ranges(rm, RMConfig, "rm.")
@@ -96,5 +96,5 @@ def validate(cfg: Any) -> None:
     if rm.batch_size % world:
         raise ConfigError(f"rm.batch_size={rm.batch_size} is not divisible by the {world} ranks (hw.nproc x "
                           "hw.nnodes): each rank trains an equal share of every batch of pairs")
-    if cfg.rollout["async"].max_staleness is not None:
+    if asynchronous(cfg):
         raise ConfigError("rollout.async.max_staleness is set, but rlcli rm generates nothing: leave it null")

@@ -138,9 +138,9 @@ class Placement:
 
 def placement(cfg: Any) -> Placement | None:
     """This process's place in an asynchronous job (from torchrun's RANK), or None when rollout is synchronous."""
-    from rlcli.config import trainer_ranks, world_size
+    from rlcli.config import asynchronous, trainer_ranks, world_size
 
-    if cfg.rollout["async"].max_staleness is None:
+    if not asynchronous(cfg):
         return None
     return Placement(int(os.environ.get("RANK", 0)), world_size(cfg.hw), trainer_ranks(cfg))
 
@@ -266,9 +266,10 @@ class RemoteRollout:
     """Training ranks: batches from this rank's rollout rank, at most `window` requests ahead."""
 
     def __init__(self, cfg: Any, channel: Channel, place: Placement, module: torch.nn.Module):
+        from rlcli.config import staleness
         from rlcli.models import DTYPES
 
-        s = cfg.rollout["async"].max_staleness
+        s = staleness(cfg)
         self.window = s - 1 if cfg.algo.dynamic_sampling else s  # a carried group ages one more step
         self.channel, self.place, self.module = channel, place, module
         self.dtype = DTYPES[cfg.model.dtype]  # the rollout ranks' weights
