@@ -153,9 +153,22 @@ def state_bytes(precision: str, zero_stage: int) -> StateBytes:
 
 
 def compute_bytes(precision: str) -> int:
-    """Bytes per element of activations, the HF KV cache and an inference engine's weights: 2 under bf16 (at
-    every ZeRO stage), 4 in fp32."""
+    """Bytes per element of the HF KV cache, an inference engine's weights and the logits: 2 under bf16 (at every
+    ZeRO stage), 4 in fp32."""
     return 2 if precision == "bf16" else 4
+
+
+def activation_element_bytes(hw: Any) -> int:
+    """Bytes per element of activation_elements_per_token that the update keeps for backward: 2 under DeepSpeed's
+    bf16 (ZeRO >= 1: the module itself is bf16), 4 in fp32, and 4 under autocast (bf16 at ZeRO-0,
+    config.mixed_precision), which keeps fp32 tensors (the residual stream's RMSNorms, SDPA's log-sum-exp) beside a
+    bf16 copy of each matmul's input. Measured with torch's saved-tensor hooks on one block (2026-11-26, seq 16):
+    autocast keeps 0.81 of fp32's bytes at SmolLM2-135M's block shape and 0.67 at Qwen2.5-0.5B's, against the 0.5
+    that 2 bytes would claim; the plan counts 4 (a bound: planned at 2, a SmolLM2 run the plan passed at 99% of
+    RAM was killed for memory)."""
+    from rlcli.config import mixed_precision
+
+    return 4 if mixed_precision(hw) else compute_bytes(hw.precision)
 
 
 @dataclass
@@ -207,13 +220,15 @@ def model_states(psi: int, trainable: int, precision: str, stage: int, world: in
 
 def activation_elements_per_token(arch: Arch, seq: int) -> int:
     """Elements one Llama/Qwen2 block keeps for backward per token, counted like Korthikanti et al. 2022 §4.1
-    for this block and checked with torch's saved-tensor hooks on the tiny model (tests/test_plan.py): each
-    RMSNorm's input and normalised input (2h each) and its weighted output as the next projection's input
-    (h each), q and the attention output (heads x head_dim each), k and v (kv width each), the SwiGLU MLP's
-    gate, SiLU(gate), up and their product (4 x intermediate), SDPA's log-sum-exp (one per head) and the
-    [seq, seq] attention mask of a padded batch (seq per token). No dropout masks (these models have none)."""
+    for this block and checked with torch's saved-tensor hooks on Llama blocks with and without grouped-query
+    attention (tests/test_plan.py): each RMSNorm's input and normalised input (2h each) and its weighted output
+    as the next projection's input (h each), q and the attention output (heads x head_dim each), k and v at the
+    query's width too (with a padding mask HF's SDPA path repeats a grouped-query model's key/value heads before
+    attention, and attention keeps the repeated ones), the SwiGLU MLP's gate, SiLU(gate), up and their product
+    (4 x intermediate), SDPA's log-sum-exp (one per head) and the [seq, seq] attention mask of a padded batch (seq
+    per token). No dropout masks (these models have none)."""
     q = arch.heads * arch.head_dim
-    return 6 * arch.hidden + 2 * q + 2 * arch.kv_width + 4 * arch.intermediate + arch.heads + seq
+    return 6 * arch.hidden + 4 * q + 4 * arch.intermediate + arch.heads + seq
 
 
 def activation_bytes(arch: Arch, rows: int, seq: int, act_bytes: int, checkpointing: bool) -> float:
@@ -366,7 +381,7 @@ def auto_budget(cfg: Any, prompt: tuple[int, str]) -> Plan:
 
 
 def _estimate(cfg: Any, prompt: tuple[int, str], budget: int | None, budget_note: str) -> Plan:
-    from rlcli.config import trainer_ranks, units
+    from rlcli.config import mixed_precision, trainer_ranks, units
     from rlcli.names import NEEDS_VALUES
 
     hw, m, r, a = cfg.hw, cfg.model, cfg.rollout, cfg.algo
@@ -439,9 +454,10 @@ def _estimate(cfg: Any, prompt: tuple[int, str], budget: int | None, budget_note
     mb = min(hw.micro_batch, mini_rows)
     if budget:
         mb = max(1, min(mb, budget // seq))
-    rows["activations"] = activation_bytes(arch, mb, seq, act_bytes, m.gradient_checkpointing)
+    rows["activations"] = activation_bytes(arch, mb, seq, activation_element_bytes(hw), m.gradient_checkpointing)
     notes["activations"] = (f"[{mb} rows, {seq} tokens], "
-                            f"{'gradient checkpointing' if m.gradient_checkpointing else 'no checkpointing'}")
+                            f"{'gradient checkpointing' if m.gradient_checkpointing else 'no checkpointing'}"
+                            + (", counted at fp32's 4 B under autocast (a bound)" if mixed_precision(hw) else ""))
     rows["logits chunk"] = logits_bytes(arch, mb, tp, r.max_new_tokens, hw.logits_chunk, act_bytes)
     c = min(hw.logits_chunk, r.max_new_tokens) if hw.logits_chunk else seq
     notes["logits chunk"] = f"fp32 [{mb}, {c}, {arch.vocab}] x 4 + head output"

@@ -70,40 +70,77 @@ def test_kv_cache_and_activation_counts():
              qkv_bias=True)
     # 2 x 24 layers x 2 kv heads x 64 x 2 bytes = 12,288 bytes per token; 8 rows x 1,000 tokens.
     assert kv_cache_bytes(a, 8, 1000, 2) == 12_288 * 8_000
-    # 6h + 2q + 2kv + 4i + heads + seq = 5376 + 1792 + 256 + 19456 + 14 + 100
-    assert activation_elements_per_token(a, 100) == 26_994
+    # 6h + 4q + 4i + heads + seq = 5376 + 3584 + 19456 + 14 + 100 (k and v kept at the query's width)
+    assert activation_elements_per_token(a, 100) == 28_530
 
 
-def test_activation_count_matches_saved_tensors_of_a_real_block():
-    """Elements the tiny Llama saves for backward, by torch's saved-tensor hooks: one block's share equals the
-    formula (to the RMSNorm's per-token rsqrt: 2 elements)."""
+def saved_bytes(layers: int, shape: dict, autocast: bool = False) -> dict[str, int]:
+    """Bytes a Llama model of `layers` blocks (`shape`: hidden, heads, kv_heads, head_dim, intermediate; vocab 100)
+    keeps for backward in the log-prob pass of 4 rows (6 prompt tokens, one row padded, 10 response tokens), by
+    torch's saved-tensor hooks, by dtype: the parameters themselves and (autocast) their bf16 copies excluded
+    (the plan counts those as weights)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     from rlcli.models import response_logprobs
-    from rlcli.models.config import TinyModelConfig
-    from rlcli.models.tiny import build_tiny_model, load_tiny_tokenizer
 
-    tok = load_tiny_tokenizer()
+    torch.manual_seed(0)
+    h, heads, kv, hd, inter = shape.values()
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
+                                         num_key_value_heads=kv, head_dim=hd, intermediate_size=inter, vocab_size=100,
+                                         tie_word_embeddings=True, attn_implementation="sdpa"))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    weight_shapes = {tuple(p.shape) for p in model.parameters()}
+    prompt_mask = torch.ones(4, 6, dtype=torch.long)
+    prompt_mask[0, :2] = 0  # a padded batch, as rollouts are
+    storages: dict[int, tuple[int, str]] = {}
 
-    def saved_elements(layers: int) -> int:
-        model = build_tiny_model(TinyModelConfig(hidden_size=128, num_layers=layers, num_heads=4,
-                                                 intermediate_size=512), tok, 0)
-        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        prompt_mask = torch.ones(4, 6, dtype=torch.long)
-        prompt_mask[0, :2] = 0  # a padded batch, as rollouts are
-        storages: dict[int, int] = {}
+    def pack(x):
+        ptr = x.untyped_storage().data_ptr()
+        if ptr not in params and not (x.dtype == torch.bfloat16 and tuple(x.shape) in weight_shapes):
+            storages[ptr] = (x.untyped_storage().nbytes(), str(x.dtype))
+        return x
 
-        def pack(x):
-            if x.untyped_storage().data_ptr() not in params:
-                storages[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes() // x.element_size()
-            return x
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        response_logprobs(model, torch.randint(4, 100, (4, 6)), prompt_mask, torch.randint(4, 100, (4, 10)),
+                          torch.ones(4, 10, dtype=torch.long), 1.0, chunk=256)
+    out: dict[str, int] = {}
+    for nbytes, dtype in storages.values():
+        out[dtype] = out.get(dtype, 0) + nbytes
+    return out
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-            response_logprobs(model, torch.randint(4, 100, (4, 6)), prompt_mask, torch.randint(4, 100, (4, 10)),
-                              torch.ones(4, 10, dtype=torch.long), 1.0, chunk=256)
-        return sum(storages.values())
 
-    per_block = saved_elements(2) - saved_elements(1)
-    arch = Arch(128, 2, 512, 100, 4, 4, 32, True, False)
-    assert per_block == activation_elements_per_token(arch, 16) * 4 * 16 + 2 * 4 * 16
+BLOCKS = {"mha": dict(hidden=128, heads=4, kv=4, head_dim=32, inter=512),
+          "gqa": dict(hidden=128, heads=4, kv=2, head_dim=32, inter=256),
+          "smollm2": dict(hidden=576, heads=9, kv=3, head_dim=64, inter=1536)}
+
+
+def block_arch(shape: dict) -> Arch:
+    return Arch(shape["hidden"], 2, shape["inter"], 100, shape["heads"], shape["kv"], shape["head_dim"], True, False)
+
+
+@pytest.mark.parametrize("name", ["mha", "gqa"])
+def test_activation_count_matches_saved_tensors_of_a_real_block(name):
+    """fp32 elements one Llama block saves for backward (a 2-block model's minus a 1-block model's) equal the formula
+    (to the RMSNorm's per-token rsqrt: 2 elements), with and without grouped-query attention (whose k and v are
+    kept at the query's width: counting them at their own width undercounts every GQA model)."""
+    shape = BLOCKS[name]
+    per_block = (sum(saved_bytes(2, shape).values()) - sum(saved_bytes(1, shape).values())) // 4
+    assert per_block == activation_elements_per_token(block_arch(shape), 16) * 4 * 16 + 2 * 4 * 16
+
+
+def test_autocast_keeps_more_than_bf16_and_less_than_fp32_bytes_per_element():
+    """bf16 by autocast (ZeRO-0) keeps fp32 tensors beside the bf16 matmul inputs: at SmolLM2's block shape one
+    block's saved bytes lie between 2 and 4 bytes per formula element (0.81 of fp32's), so the plan counts 4
+    (activation_element_bytes: a bound) and 2 would undercount."""
+    from rlcli.plan import activation_element_bytes
+
+    shape = BLOCKS["smollm2"]
+    per_block = sum(saved_bytes(2, shape, True).values()) - sum(saved_bytes(1, shape, True).values())
+    elements = activation_elements_per_token(block_arch(shape), 16) * 4 * 16
+    assert 2 * elements < per_block < 4 * elements
+    assert activation_element_bytes(compose("hw.precision=bf16").hw) == 4
+    assert activation_element_bytes(compose("hw.precision=bf16", "hw.zero_stage=1").hw) == 2
 
 
 def test_param_count_equals_the_real_models():

@@ -17,8 +17,8 @@ from rlcli.plan import (
     GIB,
     Plan,
     activation_bytes,
+    activation_element_bytes,
     arch_of,
-    compute_bytes,
     device_memory,
     layer_params,
     lora_param_count,
@@ -58,9 +58,8 @@ def estimate(cfg: Any, longest: tuple[int, str] | None = None) -> Plan:
         states.weights += trainable * state_bytes(hw.precision, hw.zero_stage).weight
     seq, seq_note = longest or (cfg.rm.max_len, "rm.max_len, a bound")
     rows = micro_rows(cfg)
-    act_bytes = compute_bytes(hw.precision)
     table = {"weights": states.weights, "gradients": states.grads, "optimizer states": states.optim,
-             "activations": activation_bytes(arch, rows, seq, act_bytes, m.gradient_checkpointing)}
+             "activations": activation_bytes(arch, rows, seq, activation_element_bytes(hw), m.gradient_checkpointing)}
     notes = {"weights": f"Ψ = {psi / 1e9:.4f}B (backbone + score head) x {state_bytes(hw.precision, hw.zero_stage).weight} B",
              "gradients": f"{trainable / 1e9:.4f}B trainable" + (" (LoRA + head)" if m.lora.r else ""),
              "optimizer states": "Adam" + (", offloaded to host" if hw.offload_optimizer and not on_cpu else ""),
