@@ -140,6 +140,11 @@ class RolloutConfig:
     summed over all ranks; null = prompts_per_step. Used only with algo.dynamic_sampling."""
     max_new_tokens: int = rng(48, ge=1)
     """L_max: response budget in tokens; a response that reaches it without EOS is `truncated`."""
+    expected_response_len: int | None = rng(None, ge=1, why="null = half of max_new_tokens")
+    """The mean response length, in tokens, that `rlcli plan`'s step-time estimate expects, beside its worst case
+    (every response at max_new_tokens); null = half of max_new_tokens (published GRPO runs average 26-78% of their
+    budget: NeMo-RL v0.4's performance summary). Planning only: generation is neither cut nor padded to it; a
+    finished run's response_length/mean is the number to give."""
     overlong_buffer_len: int = rng(8, ge=1)
     """L_c: the soft overlong punishment buffer at the end of the budget, in tokens (DAPO: 4096 of 20480)."""
     temperature: float = rng(1.0, gt=0, why="RL samples; greedy decoding is eval.temperature=0")
@@ -668,6 +673,9 @@ def validate(cfg: DictConfig | Any) -> None:
                           "supported; use hw.zero_stage<=2 (the frozen base has no optimizer state to shard)")
     if hw.node_rank >= hw.nnodes:
         raise ConfigError(f"hw.node_rank={hw.node_rank} must lie in [0, hw.nnodes={hw.nnodes})")
+    if (r.expected_response_len or 0) > r.max_new_tokens:
+        raise ConfigError(f"rollout.expected_response_len={r.expected_response_len} must be <= "
+                          f"rollout.max_new_tokens={r.max_new_tokens}: a mean cannot exceed the budget")
     if r.overlong_buffer_len > r.max_new_tokens:
         raise ConfigError(
             f"rollout.overlong_buffer_len={r.overlong_buffer_len} must be <= rollout.max_new_tokens={r.max_new_tokens}"

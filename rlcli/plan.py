@@ -704,7 +704,7 @@ def render(cfg: Any, plan: Plan, with_fixes: bool = True) -> str:
         lines.append(f"  {'host (offload)':<18}{plan.host / GIB:>9.2f}   per rank, in CPU RAM")
     if hw.device != "cpu":
         lines.append("  not counted: the CUDA context and allocator fragmentation (keep a margin)")
-    lines += ["", *roofline.render(roofline.step_time(cfg, plan), cfg)]
+    lines += ["", *roofline.render(cfg, plan)]
     if with_fixes and plan.fits is False:
         lines += ["", "to try (estimated peak after each change, alone):"]
         for overrides, peak, why in fixes(cfg, plan):

@@ -2,8 +2,9 @@
 
 Each stage takes the longer of its compute time (FLOPs over the devices' dense peak at an assumed utilisation)
 and, for decoding, its memory time (bytes read over the memory bandwidth); offload and sleep mode add transfers
-over the device-host link. Every response is assumed to reach rollout.max_new_tokens: a bound, like the memory
-plan's. Torch-free: it reads a composed config and the memory plan.
+over the device-host link. Two estimates: every response at its expected length (rollout.expected_response_len,
+null = half of rollout.max_new_tokens), and the worst case, every response at rollout.max_new_tokens (a bound, like
+the memory plan's). Torch-free: it reads a composed config and the memory plan.
 
     generation  prefill and decode of the step's P_gen x G sequences, spread over world / k engines of k GPUs;
                 decoding runs in waves of as many sequences as the engine's KV cache holds, each wave's step
@@ -48,9 +49,16 @@ class StepTime:
         return sum(self.stages.values())
 
 
-def step_time(cfg: Any, plan: Any) -> StepTime | None:
-    """The estimate for `cfg` with its memory plan `plan` (rlcli.plan.estimate); None without the device's
-    peak and bandwidth (hw.peak_tflops, hw.memory_bandwidth_gbs)."""
+def expected_response_len(cfg: Any) -> int:
+    """The mean response length the expected estimate assumes: rollout.expected_response_len, null = half the budget."""
+    r = cfg.rollout
+    return r.expected_response_len or max(1, r.max_new_tokens // 2)
+
+
+def step_time(cfg: Any, plan: Any, response: int | None = None) -> StepTime | None:
+    """The estimate for `cfg` with its memory plan `plan` (rlcli.plan.estimate), every response `response` tokens
+    long (None = rollout.max_new_tokens: the worst case); None without the device's peak and bandwidth
+    (hw.peak_tflops, hw.memory_bandwidth_gbs)."""
     from rlcli.config import units
     from rlcli.names import NEEDS_VALUES
     from rlcli.plan import compute_bytes, kv_token_bytes
@@ -62,7 +70,7 @@ def step_time(cfg: Any, plan: Any) -> StepTime | None:
     u, world = units(cfg), plan.shape["world"]
     flops, bandwidth = hw.peak_tflops * 1e12 * MFU, hw.memory_bandwidth_gbs * 1e9
     psi, wbytes = s["psi"], compute_bytes(hw.precision)
-    prompt, response = s["prompt"], r.max_new_tokens
+    prompt, response = s["prompt"], response or r.max_new_tokens
     k = r.tensor_parallel_size if r.engine == "vllm" else 1
     engines = max(world // k, 1)
     gen_p = (r.gen_prompts_per_step or u.P) if a.dynamic_sampling else u.P
@@ -97,14 +105,20 @@ def step_time(cfg: Any, plan: Any) -> StepTime | None:
     return StepTime(stages, "memory" if memory >= compute else "compute", waves, concurrency)
 
 
-def render(t: StepTime | None, cfg: Any) -> list[str]:
-    """The plan's step-time lines."""
-    if t is None:
+def render(cfg: Any, plan: Any) -> list[str]:
+    """The plan's step-time lines: the expected step, stage by stage, and the worst case."""
+    expected, worst = step_time(cfg, plan, expected_response_len(cfg)), step_time(cfg, plan)
+    if expected is None or worst is None:
         return ["step time: not estimated (set hw.peak_tflops and hw.memory_bandwidth_gbs; docs/memory.md)"]
-    parts = ", ".join(f"{name} {sec:,.0f} s" if sec >= 10 else f"{name} {sec:.2g} s" for name, sec in t.stages.items())
+    r = cfg.rollout
+    mean = (f"rollout.expected_response_len={r.expected_response_len}" if r.expected_response_len else
+            "half of rollout.max_new_tokens; set rollout.expected_response_len")
+    parts = ", ".join(f"{name} {sec:,.0f} s" if sec >= 10 else f"{name} {sec:.2g} s"
+                      for name, sec in expected.stages.items())
     return [
-        f"step time, rough (roofline, every response at rollout.max_new_tokens, {MFU:.0%} of peak): "
-        f"{t.total:,.0f} s per step = {parts}",
-        f"  generation is {t.generation_bound}-bound: {t.waves} wave(s) of {t.concurrency} sequences per engine "
-        f"({cfg.rollout.tensor_parallel_size if cfg.rollout.engine == 'vllm' else 1} device(s) per engine)",
+        f"step time, rough (roofline at {MFU:.0%} of peak): {expected.total:,.0f} s per step with responses of "
+        f"{expected_response_len(cfg)} tokens on average ({mean}) = {parts}",
+        f"  worst case, every response at rollout.max_new_tokens={r.max_new_tokens}: {worst.total:,.0f} s per step",
+        f"  generation is {expected.generation_bound}-bound: {expected.waves} wave(s) of {expected.concurrency} "
+        f"sequences per engine ({r.tensor_parallel_size if r.engine == 'vllm' else 1} device(s) per engine)",
     ]

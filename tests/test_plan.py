@@ -298,6 +298,27 @@ def test_step_time_roofline_by_hand():
     assert roofline.step_time(compose(), estimate(compose())) is None  # hw=cpu: no speeds given
 
 
+def test_step_time_expects_a_mean_response_length_beside_the_worst_case():
+    """The plan's step time at the expected mean response length (rollout.expected_response_len, null = half of
+    max_new_tokens), stage by stage, and the worst case (every response at max_new_tokens) on the line below; a mean
+    above the budget is refused."""
+    cfg = compose("model=qwen2.5-0.5b", "hw=1xgpu")  # 64 x 8 responses of up to 1024 tokens after 256
+    plan = estimate(cfg)
+    psi, flops, seqs = 494_032_768, 312e12 * 0.4, 64 * 8
+    half = roofline.step_time(cfg, plan, 512)
+    assert half.stages["update"] == pytest.approx(6 * psi * seqs * (256 + 512) / flops)
+    lines = roofline.render(cfg, plan)
+    assert f"{half.total:,.0f} s per step with responses of 512 tokens on average (half of" in lines[0]
+    assert lines[1].endswith(f"max_new_tokens=1024: {roofline.step_time(cfg, plan).total:,.0f} s per step")
+    mine = compose("model=qwen2.5-0.5b", "hw=1xgpu", "rollout.expected_response_len=300")
+    assert "responses of 300 tokens on average (rollout.expected_response_len=300)" in roofline.render(mine, plan)[0]
+    from rlcli.config import validate
+    from rlcli.schema import ConfigError
+
+    with pytest.raises(ConfigError, match="expected_response_len=2000 must be <= rollout.max_new_tokens=1024"):
+        validate(compose("model=qwen2.5-0.5b", "hw=1xgpu", "rollout.expected_response_len=2000"))
+
+
 def test_train_refuses_a_job_that_cannot_fit_before_loading_anything(tmp_path):
     run = tmp_path / "run"
     out = subprocess.run([sys.executable, "-m", "rlcli", "train", "hw.device_memory_gb=0.01", f"hydra.run.dir={run}"],
