@@ -183,6 +183,17 @@ def test_a_crash_in_one_job_of_a_basic_sweep_leaves_the_others_running(tmp_path)
     assert "best trial: seed=1 -> " in proc.stdout and "1 of 2 trials failed" in proc.stdout
 
 
+def test_a_basic_sweep_refuses_in_process_vllm_engines_before_any_compute(tmp_path):
+    """rollout.engine=vllm (or a vLLM judge) in one-process jobs that share the sweep's process: every trial fails at
+    once with the fix (a process per job), since vLLM's garbage-collected engine would tear down a later job's process
+    group; nothing is trained."""
+    proc, out = sweep(tmp_path, "seed=1,2", "rollout.engine=vllm")
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "2 of 2 trials failed" in proc.stdout and "hydra/launcher=submitit_local" in proc.stderr
+    assert "rollout.engine=vllm in a sweep whose jobs run one after another in this process" in proc.stderr
+    assert not any((j / "metrics.jsonl").exists() for j in job_dirs(out))
+
+
 @pytest.mark.slow
 def test_a_submitit_local_sweep_runs_two_jobs_as_separate_processes(tmp_path):
     proc, out = sweep(tmp_path, "hydra/launcher=submitit_local", "seed=1,2", "optim.lr=1e-3", "rollout.n=4")
