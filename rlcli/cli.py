@@ -108,11 +108,9 @@ def train_job(cfg: Any) -> dict[str, Any] | None:
     from rlcli.config import validate
     from rlcli.metrics import RunLog
     from rlcli.plan import check_fits, fits_line
-    from rlcli.sweep import check_in_process_engines
 
     _run_dir(cfg)
     validate(cfg)
-    check_in_process_engines(cfg)
     check_inputs(cfg, ("train", "eval"))
     resume = checkpoint.resolve(cfg.resume, cfg.run_dir)  # before the memory plan, which tokenises every prompt
     if resume is not None:

@@ -95,31 +95,6 @@ def in_multirun() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
-def jobs_share_this_process() -> bool:
-    """Whether this sweep's jobs run one after another in this process (Hydra's basic launcher), not each in its own
-    (hydra/launcher=submitit_*)."""
-    from hydra.core.hydra_config import HydraConfig
-
-    return in_multirun() and HydraConfig.get().launcher._target_.endswith("BasicLauncher")
-
-
-def check_in_process_engines(cfg: Any) -> None:
-    """A sweep whose one-process jobs share this process cannot hold vLLM engines: vLLM's in-process engine, once
-    garbage-collected, tears down the torch.distributed group it joined (the job's, which DeepSpeed still names) and
-    until then keeps its memory, so a later job fails (the third of `rlcli train -m seed=1,2,3
-    rollout.engine=vllm`: "Group ... is not registered", after the second job's peak memory grew from 13 to 18 GB)."""
-    from rlcli.config import world_size
-
-    judge = cfg.reward.judge
-    uses = [key for key, on in (("rollout.engine=vllm", cfg.rollout.engine == "vllm"),
-                                ("reward.judge.engine=vllm", judge.path is not None and judge.engine == "vllm")) if on]
-    if uses and world_size(cfg.hw) == 1 and jobs_share_this_process():
-        raise ConfigError(f"{' and '.join(uses)} in a sweep whose jobs run one after another in this process: an "
-                          "in-process vLLM engine tears down the job's process group when it is garbage-collected "
-                          "and holds its memory until then, so a later job fails. Run each job in its own process: "
-                          "add hydra/launcher=submitit_local (docs/sweeps.md), or loop over the values in the shell")
-
-
 def _job_dir() -> Path:
     from hydra.core.hydra_config import HydraConfig
 

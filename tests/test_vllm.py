@@ -242,3 +242,35 @@ def test_multi_turn_rows_are_the_same_on_both_engines_and_keep_the_token_contrac
     assert sampled.extras["env/used_tool"].sum() > 0
     hf.close()
     vllm.close()
+
+
+def test_a_collected_engine_leaves_the_trainers_process_group_to_deepspeed(engines, tmp_path):
+    """vLLM's engine shutdown (at collection, or VLLMEngine.close) destroys torch's default process group, which the
+    trainer made and vLLM only joined; DeepSpeed keeps handles to it, and every engine built after it failed ("Group
+    ... is not registered": a sweep's next job, a pytest process's next test). rlcli spares it: after an engine is
+    dropped and collected, the world group still reduces and DeepSpeed builds and steps an engine on it."""
+    import gc
+
+    import torch.distributed as dist
+
+    from rlcli.engine import Engine
+    from rlcli.rollout.vllm import VLLMEngine
+
+    model, tok, _, _ = engines
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    cfg = compose("rollout.engine=vllm", f"model.path={tmp_path}")
+    world = dist.group.WORLD
+    engine = VLLMEngine(model, tok, str(tmp_path), cfg)
+    assert greedy(engine).texts  # it ran
+    del engine
+    gc.collect()
+    assert dist.is_initialized() and dist.group.WORLD is world
+    x = torch.ones(1)
+    dist.all_reduce(x)
+    assert x.item() == 1.0
+    policy = build_tiny_model(TinyModelConfig(), tok, seed=0)
+    trained = Engine(policy, cfg.hw, cfg.optim, total_steps=1)  # broadcasts from the data-parallel group's first rank
+    ids = torch.tensor([[1, 2, 3]])
+    trained.backward(trained.module(input_ids=ids, labels=ids).loss, last=True)
+    assert trained.step().grad_norm > 0

@@ -222,6 +222,8 @@ class LocalJudge:
         return f"reward.judge.path={self.j.path}" + (" (engine vllm)" if self.engine is not None else "")
 
     def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
         self.model = self.engine = None
 
 

@@ -28,6 +28,8 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -106,7 +108,32 @@ def in_process_llm(path: str, cfg: Any, tokenizer: str, max_model_len: int | Non
     threads = torch.get_num_threads()
     llm = LLM(**kwargs)
     torch.set_num_threads(threads)
+    spare_the_process_group(llm)
     return llm
+
+
+def spare_the_process_group(llm: Any) -> None:
+    """Make the shutdown of `llm`'s in-process engine leave torch's default process group alone. vLLM shuts its engine
+    down when the LLM is collected (or shut down), and that shutdown ends with `cleanup_dist_env_and_memory`, which
+    destroys the default process group: the group rlcli's trainer made and vLLM only joined. DeepSpeed keeps handles
+    to it, so every DeepSpeed engine built in the process afterwards failed ("Group ... is not registered"): the next
+    job of a basic-launcher sweep, the next test of a pytest process. vLLM's own groups (its world and tensor-parallel
+    coordinators, built over ours) are still destroyed, and its memory freed."""
+    client = llm.llm_engine.engine_core  # the in-process client (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    client.engine_core.shutdown = _sparing_the_default_group(client.engine_core.shutdown)
+    if client._finalizer.detach() is not None:  # its collection-time shutdown, rebound to the one above
+        client._finalizer = weakref.finalize(client, client.engine_core.shutdown)
+
+
+def _sparing_the_default_group(shutdown: Callable[[], None]) -> Callable[[], None]:
+    def run() -> None:
+        destroy = torch.distributed.destroy_process_group
+        torch.distributed.destroy_process_group = lambda group=None: None if group is None else destroy(group)
+        try:
+            shutdown()
+        finally:
+            torch.distributed.destroy_process_group = destroy
+    return run
 
 
 class VLLMEngine:
@@ -203,7 +230,9 @@ class VLLMEngine:
             self.asleep = True
 
     def close(self) -> None:
-        """Nothing to release before the process ends (vLLM frees its engine with it)."""
+        """Shut vLLM's engine down now (its KV cache and weights freed; the process group kept: spare_the_process_group).
+        The engine is not used again."""
+        self.llm.llm_engine.engine_core.shutdown()
 
     def update_weights(self) -> None:
         """Load the policy's current weights into the engine in place (one tensor at a time: gathered under
