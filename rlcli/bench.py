@@ -78,13 +78,15 @@ def train_steps(overrides: list[str], steps: int = STEPS) -> dict[str, float]:
     process's peak memory."""
     from hydra import compose, initialize_config_dir
 
-    from rlcli.cli import CONF_DIR, _environment
-    from rlcli.config import register_configs, validate
+    from rlcli.config import CONF_DIR, register_configs, validate
+    from rlcli.launch import offline_environment
     from rlcli.metrics import peak_mem_gb
-    from rlcli.plan import GIB, fix_budget, measure_prompts
+    from rlcli.plan.budget import fix_budget
+    from rlcli.plan.inputs import measure_prompts
+    from rlcli.plan.states import GIB
     from rlcli.trainer import Trainer
 
-    _environment()
+    offline_environment()
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         cfg = compose("config", overrides=["eval.before=false", "save=false", "data.eval_size=16",

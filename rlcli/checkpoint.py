@@ -47,10 +47,9 @@ import signal
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
-from rlcli.schema import ConfigError, rng
+from rlcli.schema import ConfigError, flatten
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
@@ -79,26 +78,6 @@ STEP_DIR = re.compile(r"step_(\d+)")
 CARRIED = ("judge_cache",)
 """Run-directory folders a checkpoint carries a copy of (`write_run_files`) and a branch into another run directory
 adopts (`adopt`): what the run has learnt from outside the model, which no later step may have to ask for again."""
-
-
-@dataclass
-class CheckpointConfig:
-    every: int = rng(20, ge=0, why="0 = only when stopped by a signal")
-    """Write a checkpoint every this many training steps and at the last one (0 = only when stopped by
-    SIGTERM/SIGINT). 20 suits models up to ~1B, whose checkpoint costs seconds; model=qwen2.5-32b sets 5
-    (README, "Checkpoints and resume"). `save=false` turns these off too, the one on a signal included: such a
-    run writes no checkpoint, whatever `every` says."""
-    hf_every: int = rng(0, ge=0, why="0 = off")
-    """Also save the policy in Hugging Face format every this many training steps, to run_dir/hf/step_<N>
-    (save_pretrained + tokenizer, LoRA merged, gathered under ZeRO-3: `AutoModelForCausalLM.from_pretrained`
-    loads it, like TRL's `save_steps`), for evaluating intermediate policies; all are kept, and none is read on
-    resume (checkpoints are). 0 = off; `save=false` turns it off too. The final policy is run_dir/policy."""
-    keep_last: int = rng(2, ge=1)
-    """Checkpoints kept in run_dir/checkpoints; an older one is deleted only after a newer one is complete, and
-    the newest intact one never."""
-    check_space: bool = True
-    """`rlcli train` first checks that run_dir's file system has room for one checkpoint (estimated from the
-    model and the optimizer) and refuses the run before loading anything; false = skip the check."""
 
 
 def root(run_dir: str) -> str:
@@ -232,16 +211,6 @@ def damage(path: str, deep: bool = True) -> str | None:
     return None
 
 
-def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    """{"algo.clip_high": 0.28, ...} of a nested dict (lists are values)."""
-    if not isinstance(tree, dict):
-        return {prefix[:-1]: tree}
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-        out.update(flatten(v, f"{prefix}{k}."))
-    return out
-
-
 def check_compatible(path: str, cfg: Any) -> None:
     """`rlcli train`'s check of a resumed run before anything loads: the same number of training ranks, no key
     that changes the math differs from the checkpoint's, and `steps` reaches the checkpoint's step. Raises
@@ -350,7 +319,7 @@ def estimated_bytes(cfg: Any) -> int:
     weights under bf16); a frozen LoRA base is not saved; the frozen pretrained critic of V_aug in fp32. RNG
     states, the carry and the metrics are small beside them."""
     from rlcli.names import NEEDS_VALUES
-    from rlcli.plan import arch_of, critic_param_count, lora_param_count, param_count
+    from rlcli.plan.shapes import arch_of, critic_param_count, lora_param_count, param_count
 
     arch = arch_of(cfg.model)
     per_param = 4 + 8 if cfg.hw.precision == "fp32" else 2 + 4 + 8  # weights, Adam m and v (, fp32 master)

@@ -8,14 +8,12 @@ validates it, writes run_dir/config.yaml, then trains in-process (hw.nproc == 1)
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-# The shipped config groups: rlcli/conf is a link to the repository's top-level conf/ (where they are read
-# and edited), and an installed wheel holds a copy there (pyproject.toml package data).
-CONF_DIR = Path(__file__).resolve().parent / "conf"
+from rlcli.launch import freeze, launch, offline_environment, run_dir
+
 COMMANDS = {
     "train": "RL training: rollout -> reward -> shaping -> scoring -> advantage -> update.",
     "eval": "Sample eval.k responses per held-out prompt: acc_avg@k, pass@k, maj@k, length, truncation.",
@@ -40,46 +38,6 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
-def _environment() -> None:
-    """Offline by default: nothing may download weights or datasets at run time."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("WANDB_SILENT", "true")
-    # User code named by a dotted path (reward.custom, env.name, env.tools) imports from the working folder, as
-    # under `python -m`; appended, so a file there never shadows an installed module. Reward workers inherit
-    # sys.path (rlcli/rewards/pool.py), torchrun workers run under `python -m`.
-    if os.getcwd() not in sys.path:
-        sys.path.append(os.getcwd())
-
-
-def _run_dir(cfg: Any) -> str:
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import OmegaConf, open_dict
-
-    if not OmegaConf.is_missing(cfg, "run_dir"):
-        raise SystemExit(
-            f"run_dir={cfg.run_dir} is set by Hydra, not on the command line: pass "
-            f"hydra.run.dir={cfg.run_dir} (a single run) or hydra.sweep.dir={cfg.run_dir} (with -m)"
-        )
-    out = HydraConfig.get().runtime.output_dir
-    with open_dict(cfg):
-        cfg.run_dir = out
-    return out
-
-
-def _freeze(cfg: Any) -> str:
-    """run_dir/config.yaml (node 0), or config.node<r>.yaml for the other nodes of a multi-node run that
-    share the run directory; written to a temp name and renamed, so a worker never reads half of it."""
-    from omegaconf import OmegaConf
-
-    name = "config.yaml" if cfg.hw.node_rank == 0 else f"config.node{cfg.hw.node_rank}.yaml"
-    path = os.path.join(cfg.run_dir, name)
-    OmegaConf.save(cfg, path + ".tmp", resolve=True)
-    os.replace(path + ".tmp", path)
-    return path
-
-
 def check_inputs(cfg: Any, splits: tuple[str, ...]) -> None:
     """What this machine must hold for `rlcli train` / `rlcli eval`, checked in about a second before anything
     loads (`rlcli plan` needs none of it): the model directory (or a cached hub id), the data files (format and
@@ -87,7 +45,8 @@ def check_inputs(cfg: Any, splits: tuple[str, ...]) -> None:
     directory, with reward=rm), reward.judge (its API key's variable, a local judge's directory; the server is not
     asked). A ConfigError names the key."""
     from rlcli.data.loaders import check_files
-    from rlcli.models.config import check_model_path, check_teacher
+    from rlcli.models.checks import check_teacher
+    from rlcli.models.config import check_model_path
     from rlcli.rewards.config import check_importable, check_judge, check_reward_model
 
     check_model_path(cfg.model)
@@ -107,9 +66,9 @@ def train_job(cfg: Any) -> dict[str, Any] | None:
     from rlcli import checkpoint
     from rlcli.config import validate
     from rlcli.metrics import RunLog
-    from rlcli.plan import check_fits, fits_line
+    from rlcli.plan.report import check_fits, fits_line
 
-    _run_dir(cfg)
+    run_dir(cfg)
     validate(cfg)
     check_inputs(cfg, ("train", "eval"))
     resume = checkpoint.resolve(cfg.resume, cfg.run_dir)  # before the memory plan, which tokenises every prompt
@@ -127,7 +86,7 @@ def train_job(cfg: Any) -> dict[str, Any] | None:
         RunLog(cfg.run_dir)(fits_line(plan))  # the terminal and cli.log, like everything the run prints
     with open_dict(cfg):
         cfg.resume = resume  # the frozen config names the checkpoint itself
-    frozen = _freeze(cfg)
+    frozen = freeze(cfg)
     if cfg.hw.nproc * cfg.hw.nnodes == 1:
         from rlcli.trainer import Trainer
 
@@ -141,72 +100,13 @@ def train_job(cfg: Any) -> dict[str, Any] | None:
     return launch(frozen, cfg.hw)
 
 
-def launch(frozen_config: str, hw: Any, job: str = "train") -> None:
-    """Run `hw.nproc` workers of `job` (rlcli.worker.WORKERS: train | rm) under torchrun. The first
-    SIGTERM/SIGINT/SIGHUP reaches the workers once, through torchrun, which gives them hw.shutdown_timeout_s to
-    checkpoint; later ones are not passed on (a second signal would cut torchrun's wait short), except that a
-    second SIGINT kills them all at once.
-    If this process dies, torchrun gets SIGTERM (Linux), so no worker outlives it."""
-    import contextlib
-    import signal
-
-    import psutil
-
-    from rlcli.engine import free_port
-
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={hw.nproc}",
-        f"--nnodes={hw.nnodes}", f"--node_rank={hw.node_rank}", f"--master_addr={hw.master_addr}",
-        f"--master_port={hw.master_port or free_port()}", f"--shutdown-timeout={hw.shutdown_timeout_s}",
-        "-m", "rlcli.worker", frozen_config, job,
-    ]
-    from rlcli.metrics import RunLog
-
-    RunLog(os.path.dirname(frozen_config))("launching: " + " ".join(cmd))
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    # Own session: a terminal's Ctrl-C reaches this process only, and is forwarded exactly once.
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
-    received: list[int] = []
-
-    def forward(signum: int, frame: Any) -> None:
-        if received and signum == signal.SIGINT:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                for p in [*psutil.Process(proc.pid).children(recursive=True), proc]:
-                    p.kill()
-        if not received:
-            proc.send_signal(signum)
-        received.append(signum)
-
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
-    try:
-        code = proc.wait()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    if received:
-        print(f"workers stopped by {signal.Signals(received[0]).name}; see the log above", file=sys.stderr)
-        raise SystemExit(128 + received[0])
-    if code:  # not the user's mistake: the workers printed their tracebacks above
-        print(f"rlcli: workers failed with exit code {code}; see the log above", file=sys.stderr, flush=True)
-        raise SystemExit(1)
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: ask Linux to send it SIGTERM when its parent dies (prctl PR_SET_PDEATHSIG)."""
-    if sys.platform == "linux":
-        import ctypes
-        import signal
-
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)
-
-
 def sft_job(cfg: Any) -> None:
     from rlcli.config import Config
     from rlcli.models import as_objects, warm_start_data
     from rlcli.schema import check_known_keys, check_ranges
     from rlcli.sft import warm_start
 
-    _run_dir(cfg)
+    run_dir(cfg)
     check_known_keys(cfg, Config)
     check_ranges(cfg, Config)
     if cfg.model.path is not None or cfg.model.gguf_file is not None:
@@ -221,7 +121,7 @@ def sft_job(cfg: Any) -> None:
 def eval_job(cfg: Any) -> dict[str, float]:
     from rlcli.config import validate
 
-    _run_dir(cfg)
+    run_dir(cfg)
     validate(cfg)
     check_inputs(cfg, ("eval",))
     from rlcli.eval import run_eval  # torch: after the checks, which answer in a second
@@ -242,7 +142,7 @@ def _hydra_main(command: str, argv: list[str]) -> None:
     import hydra
 
     from rlcli import sweep
-    from rlcli.config import register_configs
+    from rlcli.config import CONF_DIR, register_configs
 
     job = JOBS[command]
 
@@ -387,7 +287,7 @@ def _user_error(message: str, debug: bool) -> None:
 
 
 def _main(argv: list[str]) -> None:
-    _environment()
+    offline_environment()
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(_usage())
         return
@@ -398,14 +298,17 @@ def _main(argv: list[str]) -> None:
         return
     command, rest = argv[0], argv[1:]
     if command == "explain":
+        from rlcli.config import CONF_DIR
         from rlcli.schema_doc import explain
 
         print(explain(rest[0] if rest else None, CONF_DIR))
         return
     if command == "plan":  # composes without a run directory: nothing is written
-        from rlcli import plan
+        from rlcli.plan import report
+        from rlcli.rm import plan as plan_rm
 
-        code = plan.main(rest)
+        # `rlcli plan rm ...`: the reward model `rlcli rm ...` would train
+        code = plan_rm.main(rest[1:]) if rest[:1] == ["rm"] and not {"--help", "-h"} & set(rest) else report.main(rest)
         if code:
             raise SystemExit(code)
         return
@@ -419,6 +322,7 @@ def _main(argv: list[str]) -> None:
     if command not in JOBS:
         raise SystemExit(f"unknown command {command!r}\n\n{_usage()}")
     if "--help" in rest or "-h" in rest:
+        from rlcli.config import CONF_DIR
         from rlcli.schema_doc import help_text
 
         print(help_text(command, COMMANDS[command], CONF_DIR))

@@ -22,7 +22,6 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from rlcli.algos.config import AlgoConfig, DistillConfig
-from rlcli.checkpoint import CheckpointConfig
 from rlcli.data.config import DataConfig
 from rlcli.loggers import check_installed
 from rlcli.models.config import CriticConfig, TinyModelConfig, WarmStartConfig
@@ -30,6 +29,10 @@ from rlcli.names import ATTN_IMPLEMENTATIONS, MODEL_DTYPES, ROLLOUT_ENGINES, SCH
 from rlcli.rewards.config import MODEL_PART, RewardConfig, group_base
 from rlcli.rm.config import RMConfig
 from rlcli.schema import ConfigError, check_known_keys, check_ranges, keyword_field, rng
+from rlcli.topology import asynchronous, rollout_ranks, staleness, trainer_ranks, world_size
+
+CONF_DIR = Path(__file__).resolve().parent / "conf"
+"""Hydra's config directory: the groups (algo, model, hw, reward, ...) and conf/recipe."""
 
 
 @dataclass
@@ -297,6 +300,26 @@ class EnvConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    every: int = rng(20, ge=0, why="0 = only when stopped by a signal")
+    """Write a checkpoint every this many training steps and at the last one (0 = only when stopped by
+    SIGTERM/SIGINT). 20 suits models up to ~1B, whose checkpoint costs seconds; model=qwen2.5-32b sets 5
+    (README, "Checkpoints and resume"). `save=false` turns these off too, the one on a signal included: such a
+    run writes no checkpoint, whatever `every` says."""
+    hf_every: int = rng(0, ge=0, why="0 = off")
+    """Also save the policy in Hugging Face format every this many training steps, to run_dir/hf/step_<N>
+    (save_pretrained + tokenizer, LoRA merged, gathered under ZeRO-3: `AutoModelForCausalLM.from_pretrained`
+    loads it, like TRL's `save_steps`), for evaluating intermediate policies; all are kept, and none is read on
+    resume (checkpoints are). 0 = off; `save=false` turns it off too. The final policy is run_dir/policy."""
+    keep_last: int = rng(2, ge=1)
+    """Checkpoints kept in run_dir/checkpoints; an older one is deleted only after a newer one is complete, and
+    the newest intact one never."""
+    check_space: bool = True
+    """`rlcli train` first checks that run_dir's file system has room for one checkpoint (estimated from the
+    model and the optimizer) and refuses the run before loading anything; false = skip the check."""
+
+
+@dataclass
 class LoggerConfig:
     """Where metrics go. The terminal and run_dir/metrics.jsonl always; each backend below when on: `logger=wandb`
     (or tensorboard, mlflow) turns one on, `logger=[wandb,tensorboard]` several, `logger.mlflow=true` adds one. Each
@@ -524,36 +547,6 @@ def inference_dtype(cfg: Any) -> str:
     """The dtype of the models that only infer, in the trainer's precision (root config `cfg`): bfloat16 under
     hw.precision=bf16, else model.dtype. The vLLM sampler, reward.rm's model and the memory plan read it here."""
     return "bfloat16" if cfg.hw.precision == "bf16" else cfg.model.dtype
-
-
-def world_size(hw: Any) -> int:
-    """Ranks of the job over all nodes (training and, with asynchronous rollout, rollout ranks)."""
-    return hw.nproc * hw.nnodes
-
-
-def asynchronous(cfg: Any) -> bool:
-    """Whether rollout runs on ranks of its own (rollout.async.max_staleness set, 0 included): the one place that
-    answers it."""
-    return cfg.rollout["async"].max_staleness is not None
-
-
-def staleness(cfg: Any) -> int:
-    """How many policy versions a trained row may lag: rollout.async.max_staleness, 0 when rollout is synchronous."""
-    return cfg.rollout["async"].max_staleness or 0
-
-
-def rollout_ranks(cfg: Any) -> int:
-    """Ranks that only generate: 0 unless rollout is asynchronous (then rollout.async.rollout_ranks, null = half of
-    the job's ranks)."""
-    a = cfg.rollout["async"]
-    if not asynchronous(cfg):
-        return 0
-    return a.rollout_ranks if a.rollout_ranks is not None else world_size(cfg.hw) // 2
-
-
-def trainer_ranks(cfg: Any) -> int:
-    """Data-parallel training ranks: the job's ranks minus the rollout ranks."""
-    return world_size(cfg.hw) - rollout_ranks(cfg)
 
 
 def reward_model_partitioned(cfg: Any) -> bool:
@@ -790,7 +783,7 @@ def validate_switches(cfg: Any) -> None:
 def validate_env(cfg: Any) -> None:
     """Multi-turn rollout's rules (README, "Multi-turn and tools")."""
     from rlcli.envs.tools import load_tools
-    from rlcli.rewards.functions import import_dotted
+    from rlcli.registry import import_dotted
 
     e, r = cfg.env, cfg.rollout
     try:

@@ -124,7 +124,7 @@ def replay(sink: Backend, rows: list[dict[str, float]]) -> None:
 
 def flat_config(config: dict[str, Any]) -> dict[str, Any]:
     """{"algo.clip_high": 0.28, ...}: scalars as they are, null as "null", lists and dicts as JSON text."""
-    from rlcli.checkpoint import flatten
+    from rlcli.schema import flatten
 
     return {k: "null" if v is None else v if isinstance(v, bool | int | float | str) else json.dumps(v)
             for k, v in flatten(config).items()}

@@ -202,20 +202,11 @@ class MetricsLogger:
         for b in self.backends:
             b.log(values, step)
 
-    def log_curves(self, result: dict[str, Any], step: int) -> None:
-        """The end of the run: draw its training curves as `rlcli plot` does (run_dir/curves.png) and attach them to
-        every backend at `step`. Nothing without a backend."""
-        if not self.enabled or not self.backends:
-            return
-        from pathlib import Path
-
-        from rlcli.plot import Run, figure, group_runs
-
-        self.file.flush()
-        run = Run(path=Path(self.run_dir), config=self.config, metrics=read_jsonl(self.path), result=result)
-        self.curves = str(figure(group_runs([run]), os.path.join(self.run_dir, "curves.png")))
+    def attach(self, figure: str, step: int) -> None:
+        """Attach the run's curves figure (rlcli.plot.log_curves draws it) to every backend at `step`."""
+        self.curves = figure
         for b in self.backends:
-            b.log_figure(self.curves, step)
+            b.log_figure(figure, step)
 
     @property
     def notes(self) -> list[str]:

@@ -128,7 +128,7 @@ def group_runs(runs: list[Run]) -> list[Group]:
     for run in runs:
         cfg = {k: v for k, v in run.config.items() if k not in IGNORED_KEYS}
         groups.setdefault(json.dumps(cfg, sort_keys=True), []).append(run)
-    from rlcli.checkpoint import flatten
+    from rlcli.schema import flatten
 
     differ = differing_keys([m[0].config for m in groups.values()])
     out = []
@@ -145,7 +145,7 @@ def group_runs(runs: list[Run]) -> list[Group]:
 def differing_keys(configs: list[dict[str, Any]]) -> list[str]:
     """The config keys whose values differ between `configs` (one per group; seed, run_dir and resume ignored):
     what a sweep varied, which labels its groups (optim.lr=0.0001) whatever their folders are called."""
-    from rlcli.checkpoint import flatten
+    from rlcli.schema import flatten
 
     flats = [flatten({k: v for k, v in c.items() if k not in IGNORED_KEYS}) for c in configs]
     keys = sorted(set().union(*flats)) if flats else []
@@ -296,3 +296,13 @@ def main(argv: list[str]) -> int:
     print(f"{runs} runs in {len(groups)} groups: {', '.join(g.label for g in groups)}")
     print(f"wrote {path}")
     return 0
+
+
+def log_curves(logger: Any, result: dict[str, Any], step: int) -> None:
+    """The end of a run: draw its training curves as `rlcli plot` does (run_dir/curves.png) and attach them to every
+    backend of `logger` (rlcli.metrics.MetricsLogger) at `step`. Nothing without a backend."""
+    if not logger.enabled or not logger.backends:
+        return
+    logger.file.flush()
+    run = Run(path=Path(logger.run_dir), config=logger.config, metrics=read_jsonl(logger.path), result=result)
+    logger.attach(str(figure(group_runs([run]), str(Path(logger.run_dir) / "curves.png"))), step)

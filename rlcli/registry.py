@@ -7,6 +7,7 @@ name fails with the list of valid names so the config error says how to fix itse
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -42,3 +43,11 @@ class Registry(dict[str, Callable[..., Any]]):
             raise ValueError(
                 f"{key}={name!r} is not a known {self.kind}; valid names: {', '.join(sorted(self))}"
             )
+
+
+def import_dotted(path: str) -> Any:
+    """Import ``"pkg.module.attr"`` and return the attribute."""
+    module, _, attr = path.rpartition(".")
+    if not module:
+        raise ValueError(f"{path!r} is not a dotted path like 'pkg.module.function'")
+    return getattr(importlib.import_module(module), attr)

@@ -182,3 +182,13 @@ def _plain(value: Any) -> Any:
     from omegaconf import OmegaConf
 
     return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """{"algo.clip_high": 0.28, ...} of a nested dict (lists are values)."""
+    if not isinstance(tree, dict):
+        return {prefix[:-1]: tree}
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        out.update(flatten(v, f"{prefix}{k}."))
+    return out

@@ -43,7 +43,9 @@ from rlcli.eval import eval_subset
 from rlcli.learner import Learner, Phase, rl_phase, value_pretrain_phase
 from rlcli.metrics import MetricsLogger, RunLog, Timer, dump_rollouts, headline, memory_metrics
 from rlcli.models import resolve_model_path
-from rlcli.plan import fix_budget, longest_prompt
+from rlcli.plan.budget import fix_budget
+from rlcli.plan.inputs import longest_prompt
+from rlcli.plot import log_curves
 from rlcli.rewards import RewardManager
 from rlcli.rollout import build_engine
 from rlcli.rollout.remote import rollout_source
@@ -140,7 +142,7 @@ class Trainer:
         if self.main:
             with open(os.path.join(cfg.run_dir, "result.json"), "w") as f:
                 json.dump({**s.result, "rlcli_version": __version__}, f, indent=2)
-        self.logger.log_curves(s.result, cfg.steps)  # to the logger backends, as `rlcli plot` draws them
+        log_curves(self.logger, s.result, cfg.steps)  # to the logger backends, as `rlcli plot` draws them
         self.print(self.end_summary(cfg.steps - first))
         self.close()
         return s.result

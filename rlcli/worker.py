@@ -10,11 +10,11 @@ from typing import Any
 
 def main() -> None:
     from rlcli.checkpoint import stop_on_disk_full
-    from rlcli.cli import _environment
     from rlcli.config import load_frozen
+    from rlcli.launch import offline_environment
     from rlcli.schema import ConfigError
 
-    _environment()
+    offline_environment()
     _log_like_the_launcher()
     cfg = load_frozen(sys.argv[1])
     try:
@@ -43,7 +43,7 @@ def rm(cfg: Any) -> None:
 
 
 WORKERS: dict[str, Callable[[Any], None]] = {"train": train, "rm": rm}
-"""A job's name (rlcli.cli.launch's `job`) -> what one of its ranks runs."""
+"""A job's name (rlcli.launch.launch's `job`) -> what one of its ranks runs."""
 
 
 def _log_like_the_launcher() -> None:

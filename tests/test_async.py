@@ -20,7 +20,7 @@ from conftest import FAST, ROOT, compose, metric_rows, policy_tensors, stable
 from test_checkpoint import finish, kill_tree, logged_step, start, train, wait_for
 
 from rlcli.config import off_policy, units, validate
-from rlcli.rollout.remote import checksum
+from rlcli.engine import checksum
 from rlcli.schema import ConfigError
 
 

@@ -50,7 +50,7 @@ def test_a_teacher_equal_to_the_student_changes_nothing_bit_for_bit(make_trainer
 
 def test_a_teacher_with_another_tokenizer_is_refused_before_any_weights_load(tmp_path):
     """The tiny student's tokenizer with two token ids swapped: refused, naming the key and the fix, in under 2 s."""
-    from rlcli.models.config import check_teacher
+    from rlcli.models.checks import check_teacher
     from rlcli.models.tiny import TOKENIZER_DIR
     from rlcli.schema import ConfigError
 
@@ -142,7 +142,8 @@ def test_the_memory_plan_counts_the_teacher(tmp_path):
     ZeRO-3; the teacher's whole log-probs in the update with distill.full_kl_coef."""
     from types import SimpleNamespace
 
-    from rlcli.plan import arch_of, estimate, param_count
+    from rlcli.plan.estimate import estimate
+    from rlcli.plan.shapes import arch_of, param_count
 
     teacher = tmp_path / "teacher"
     teacher.mkdir()

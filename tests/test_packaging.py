@@ -61,7 +61,7 @@ def run(cmd, cwd=None, ok=True):
 
 def test_the_installed_package_is_the_wheel_not_the_checkout(venv):
     env_dir, work = venv
-    where = run([env_dir / "bin" / "python", "-c", "import rlcli, rlcli.cli; print(rlcli.__file__, rlcli.cli.CONF_DIR)"],
+    where = run([env_dir / "bin" / "python", "-c", "import rlcli, rlcli.config; print(rlcli.__file__, rlcli.config.CONF_DIR)"],
                 cwd=work).stdout
     assert str(env_dir) in where and str(ROOT) not in where
     assert run([env_dir / "bin" / "rlcli", "--version"], cwd=work).stdout.strip() == "rlcli 0.1.0"

@@ -14,26 +14,15 @@ import pytest
 import torch
 from conftest import ROOT, compose
 
-from rlcli import roofline
-from rlcli.plan import (
-    BUDGET,
-    GIB,
-    Arch,
-    activation_elements_per_token,
-    arch_of,
-    estimate,
-    fix_budget,
-    fixes,
-    kv_cache_bytes,
-    kv_token_bytes,
-    lora_param_count,
-    measure_prompts,
-    model_states,
-    param_count,
-    prompt_tokens,
-    render,
-    with_overrides,
-)
+from rlcli.plan import roofline
+from rlcli.plan.activations import activation_elements_per_token, kv_cache_bytes, kv_token_bytes
+from rlcli.plan.budget import fix_budget
+from rlcli.plan.estimate import BUDGET, estimate, with_overrides
+from rlcli.plan.fixes import fixes
+from rlcli.plan.inputs import measure_prompts, prompt_tokens
+from rlcli.plan.report import render
+from rlcli.plan.shapes import Arch, arch_of, lora_param_count, param_count
+from rlcli.plan.states import GIB, model_states
 
 PSI = 1_000_000_000  # Ψ = 1B parameters, 8 ranks: the golden numbers below are in bytes
 
@@ -133,7 +122,7 @@ def test_autocast_keeps_more_than_bf16_and_less_than_fp32_bytes_per_element():
     """bf16 by autocast (ZeRO-0) keeps fp32 tensors beside the bf16 matmul inputs: at SmolLM2's block shape one
     block's saved bytes lie between 2 and 4 bytes per formula element (0.81 of fp32's), so the plan counts 4
     (activation_element_bytes: a bound) and 2 would undercount."""
-    from rlcli.plan import activation_element_bytes
+    from rlcli.plan.states import activation_element_bytes
 
     shape = BLOCKS["smollm2"]
     per_block = sum(saved_bytes(2, shape, True).values()) - sum(saved_bytes(1, shape, True).values())

@@ -197,7 +197,7 @@ def test_ranges_accept_exactly_the_finite_values_within_the_bounds(field, data):
 
 
 def test_explain_shows_the_ranges():
-    from rlcli.cli import CONF_DIR
+    from rlcli.config import CONF_DIR
     from rlcli.schema_doc import explain
 
     text = explain("rollout", CONF_DIR)

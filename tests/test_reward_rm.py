@@ -158,8 +158,8 @@ def test_reward_rm_without_a_path_is_one_line_from_the_cli(tmp_path):
 
 
 def test_the_memory_plan_counts_the_reward_model(rm_dir):
-    from rlcli.plan import arch_of, estimate
-    from rlcli.rm.plan import rm_param_count
+    from rlcli.plan.estimate import estimate
+    from rlcli.plan.shapes import arch_of, rm_param_count
 
     without, with_rm = estimate(compose()), estimate(compose(*WITH_RM, f"reward.rm.path={rm_dir}"))
     psi = rm_param_count(arch_of(compose().model))  # the reward model is a tiny model too

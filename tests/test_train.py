@@ -236,7 +236,9 @@ def test_the_auto_token_budget_splits_the_update_and_changes_nothing_else(tmp_pa
     """hw.max_tokens_per_micro_batch=auto (the default) on a device with room for the activations of 4 of the
     longest rows but not 5 (the plan's own numbers): the update runs in several micro-batches, where this
     machine's 24 GiB take the whole batch in one, and its loss, entropy and gradient equal the one micro-batch's."""
-    from rlcli.plan import BUDGET, GIB, estimate, measure_prompts, with_overrides
+    from rlcli.plan.estimate import BUDGET, estimate, with_overrides
+    from rlcli.plan.inputs import measure_prompts
+    from rlcli.plan.states import GIB
 
     cfg = compose(*FAST)
     prompt = measure_prompts(cfg)

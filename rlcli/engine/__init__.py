@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -320,6 +320,20 @@ def _frozen(model: torch.nn.Module) -> torch.nn.Module:
 def is_partitioned(module: torch.nn.Module) -> bool:
     """Whether `module`'s parameters are ZeRO-3 partitions (each rank holds a slice of each)."""
     return any(hasattr(p, "ds_id") for p in module.parameters())
+
+
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def checksum(tensors: Iterable[torch.Tensor]) -> int:
+    """Sum of the tensors' bit patterns as integers (mod 2^64): exact and independent of order and of how the
+    elements are split into tensors (a fused qkv projection, padded vocabulary rows of zeros), so the trainer's
+    weights and an engine's own layout of them give the same number, and any changed bit changes it."""
+    total = 0
+    for t in tensors:
+        bits = t.detach().contiguous().view(_INT_OF_WIDTH[t.element_size()])
+        total += int(bits.to(torch.int64).sum().item())
+    return total % 2**64
 
 
 def full_weights(module: torch.nn.Module, tied: bool = True) -> Iterator[tuple[str, torch.Tensor]]:

@@ -26,7 +26,7 @@ class StepResult:
     done: bool = False
     info: dict[str, float] = field(default_factory=dict)
     """Counts added up per trajectory; tool_calls, tool_errors and tool_timeouts are logged as env/<key> means
-    (docs/metrics.md; rlcli.envs.rollout.ENV_METRICS), other keys are not."""
+    (docs/metrics.md; rlcli.rollout.multiturn.ENV_METRICS), other keys are not."""
 
 
 class Environment(Protocol):

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rlcli.rewards.functions import import_dotted
+from rlcli.registry import import_dotted
 
 
 def tool(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -7,4 +7,4 @@ from rlcli.lazy import exports
 __all__ = ["DTYPES", "as_objects", "autocast", "eval_mode", "joint_inputs", "load_policy", "load_tokenizer",
            "logits_chunk_for", "resolve_model_path", "response_log_softmax", "response_logprobs", "response_outputs",
            "tokenizer_source", "warm_start_data", "with_lora"]
-__getattr__ = exports(__name__, dict.fromkeys(__all__, "policy"))
+__getattr__ = exports(__name__, {**dict.fromkeys(__all__, "policy"), "tokenizer_source": "checks"})

@@ -11,8 +11,6 @@ import torch
 import torch.utils.checkpoint
 from torch import Tensor
 
-from rlcli.models.config import tokenizer_source  # noqa: F401 (re-exported: rlcli.models)
-
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

@@ -348,7 +348,7 @@ def check_importable(cfg: Any, prefix: str = "reward") -> None:
     """`rlcli train` and `rlcli eval`, before anything loads: every reward.custom function imports here and is
     callable, so a typo fails in a second rather than in the reward workers after the model loaded. The workers
     import it from the same sys.path (rlcli/rewards/pool.py), which holds the working folder (rlcli.cli)."""
-    from rlcli.rewards.functions import import_dotted
+    from rlcli.registry import import_dotted
 
     for name, path in dict(cfg.custom).items():
         try:

@@ -23,7 +23,6 @@ the whole response) reaches math-verify's parsers.
 from __future__ import annotations
 
 import functools
-import importlib
 import logging
 import math
 import re
@@ -32,7 +31,7 @@ from typing import Any
 
 from rlcli.answers import MAX_BRACE_DEPTH as MAX_BRACE_DEPTH  # re-exported, see the docstring
 from rlcli.answers import MalformedResponse, extract_final_answer
-from rlcli.registry import Registry
+from rlcli.registry import Registry, import_dotted
 from rlcli.rewards import code
 
 REWARDS = Registry("reward function")
@@ -123,14 +122,6 @@ REWARDS.register("code")(code.code_reward)
 _PARTS: list[tuple[str, Callable[..., float], dict[str, Any]]] = []
 _MAX_CHARS: list[int] = [0]
 _ACC: list[str] = ["math_verify"]  # the part whose value 1 is acc = 1
-
-
-def import_dotted(path: str) -> Any:
-    """Import ``"pkg.module.attr"`` and return the attribute."""
-    module, _, attr = path.rpartition(".")
-    if not module:
-        raise ValueError(f"{path!r} is not a dotted path like 'pkg.module.function'")
-    return getattr(importlib.import_module(module), attr)
 
 
 def setup_worker(spec: dict[str, Any]) -> None:

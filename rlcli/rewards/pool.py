@@ -46,7 +46,8 @@ from multiprocessing import Pipe
 from multiprocessing.connection import Connection, wait
 from typing import Any, Literal, NamedTuple
 
-from rlcli.rewards.functions import describe_args, import_dotted
+from rlcli.registry import import_dotted
+from rlcli.rewards.functions import describe_args
 
 _BOOTSTRAP = (
     "import sys, json; sys.path[:] = json.loads(sys.argv[2]); "

@@ -79,7 +79,7 @@ class RMConfig:
 def validate(cfg: Any) -> None:
     """The `rm` group's fields and the rules that relate them to the rest of an `rlcli rm` config; raise ConfigError
     naming the key and the fix. Nothing is loaded before this passes."""
-    from rlcli.config import asynchronous, trainer_ranks
+    from rlcli.topology import asynchronous, trainer_ranks
 
     rm = cfg.rm
     check_ranges(rm, RMConfig, "rm.")

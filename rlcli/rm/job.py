@@ -11,15 +11,15 @@ def rm_job(cfg: Any) -> dict[str, Any]:
     from omegaconf import open_dict
 
     from rlcli import checkpoint
-    from rlcli.cli import _freeze, _run_dir
     from rlcli.config import validate
+    from rlcli.launch import freeze, run_dir
     from rlcli.metrics import RunLog
     from rlcli.models.config import check_model_path
     from rlcli.rm.config import validate as validate_rm
     from rlcli.rm.pairs import check_pairs
     from rlcli.rm.plan import check_fits, line
 
-    _run_dir(cfg)
+    run_dir(cfg)
     validate(cfg)
     validate_rm(cfg)
     check_model_path(cfg.model)
@@ -34,7 +34,7 @@ def rm_job(cfg: Any) -> dict[str, Any]:
     RunLog(cfg.run_dir)(line(check_fits(cfg)))
     with open_dict(cfg):
         cfg.resume = resume  # the frozen config names the checkpoint itself
-    frozen = _freeze(cfg)
+    frozen = freeze(cfg)
     if cfg.hw.nproc * cfg.hw.nnodes > 1:
         return _launch(cfg, frozen)
     from rlcli.rm.train import RewardModelTrainer  # torch: after the checks
@@ -46,7 +46,7 @@ def rm_job(cfg: Any) -> dict[str, Any]:
 def _launch(cfg: Any, frozen: str) -> None:
     """Several ranks: what one rank would do alone (the warm start, a conversion, rm.source=samples' sampling)
     happens here, before the workers start, which then read the caches; then `hw.nproc` torchrun workers train."""
-    from rlcli.cli import launch
+    from rlcli.launch import launch
     from rlcli.models import resolve_model_path
 
     model_path = resolve_model_path(cfg.model, cfg.data)[0]

@@ -2,40 +2,26 @@
 
 It is rlcli.plan's count (docs/memory.md) for a different model and a different step: the policy's backbone without
 the LM head's vocabulary projection (a tied head is the input embedding, which stays) plus a [hidden, 1] score head;
-the same per-parameter bytes by precision, ZeRO stage and offload (rlcli.plan.model_states); activations of one
-micro-batch of sequences (hw.micro_batch of them, each at most rm.max_len tokens), counted as rlcli.plan counts a
-Llama/Qwen2 block (rlcli.plan.activation_bytes); no rollout, no reference model, no vocabulary logits (the head's
-output is [rows, L, 1]). Torch-free.
+the same per-parameter bytes by precision, ZeRO stage and offload (rlcli.plan.states.model_states); activations of
+one micro-batch of sequences (hw.micro_batch of them, each at most rm.max_len tokens), counted as rlcli.plan counts a
+Llama/Qwen2 block (rlcli.plan.activations.activation_bytes); no rollout, no reference model, no vocabulary logits
+(the head's output is [rows, L, 1]). Torch-free.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from rlcli.plan import (
-    CPU_RUNTIME_GIB,
-    GIB,
-    Plan,
-    activation_bytes,
-    activation_element_bytes,
-    arch_of,
-    device_memory,
-    layer_params,
-    lora_param_count,
-    model_states,
-    param_count,
-    state_bytes,
-)
-
-
-def rm_param_count(arch: Any) -> int:
-    """Ψ of the reward model: the causal LM's minus an untied output projection, plus the bias-free score head."""
-    return param_count(arch) - (0 if arch.tied else arch.vocab * arch.hidden) + arch.hidden
+from rlcli.plan.activations import activation_bytes
+from rlcli.plan.estimate import CPU_RUNTIME_GIB, Plan
+from rlcli.plan.inputs import device_memory
+from rlcli.plan.shapes import arch_of, layer_params, lora_param_count, rm_param_count
+from rlcli.plan.states import GIB, activation_element_bytes, model_states, state_bytes
 
 
 def micro_rows(cfg: Any) -> int:
     """Sequences per forward/backward: hw.micro_batch, rounded down to whole pairs (at least one pair)."""
-    from rlcli.config import trainer_ranks
+    from rlcli.topology import trainer_ranks
 
     per_rank = cfg.rm.batch_size // trainer_ranks(cfg)
     return 2 * max(1, min(cfg.hw.micro_batch // 2, per_rank))
@@ -44,7 +30,7 @@ def micro_rows(cfg: Any) -> int:
 def estimate(cfg: Any, longest: tuple[int, str] | None = None) -> Plan:
     """The per-device plan; `longest`: the longest pair side in tokens and where that number comes from (None =
     rm.max_len, a bound)."""
-    from rlcli.config import trainer_ranks
+    from rlcli.topology import trainer_ranks
 
     hw, m = cfg.hw, cfg.model
     arch = arch_of(m)
@@ -141,8 +127,7 @@ def main(argv: list[str]) -> int:
     """`rlcli plan rm [overrides]`."""
     from hydra import compose, initialize_config_dir
 
-    from rlcli.cli import CONF_DIR
-    from rlcli.config import register_configs
+    from rlcli.config import CONF_DIR, register_configs
 
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):

@@ -17,33 +17,14 @@ needs it; and `collective`, whether `generate` is a collective over ranks (HF ge
 ranks, a tensor-parallel vLLM engine), so that every rank must call it as often as the others (evaluation
 pads its shards for it).
 
-For multi-turn rollout (env.name set) `build_engine` wraps the engine in rlcli.envs.rollout.MultiTurn, which keeps
+For multi-turn rollout (env.name set) `build_engine` wraps the engine in rlcli.rollout.multiturn.MultiTurn, which keeps
 this contract and drives the engine turn by turn through a third method, `continue_tokens(contexts, budgets,
 sampling, with_logprobs)`: token ids in, token ids (and log-probs) out.
 
 The loop never knows which engine it has.
 """
 
-from typing import Any
-
-from rlcli import names
-from rlcli.registry import Registry
-from rlcli.rollout.hf import HFEngine
-from rlcli.rollout.sampling import Sampling
-from rlcli.rollout.vllm import VLLMEngine
+from rlcli.lazy import exports
 
 __all__ = ["ROLLOUT_ENGINES", "Sampling", "build_engine"]
-
-ROLLOUT_ENGINES = Registry(names.ROLLOUT_ENGINES)
-ROLLOUT_ENGINES.register("hf")(HFEngine)
-ROLLOUT_ENGINES.register("vllm")(VLLMEngine)
-
-
-def build_engine(name: str, model: Any, tokenizer: Any, path: str, cfg: Any) -> Any:
-    """The rollout engine `name` on `model`; multi-turn (rlcli.envs) when cfg.env.name is set."""
-    engine = ROLLOUT_ENGINES[name](model, tokenizer, path, cfg)
-    if cfg.env.name is None:
-        return engine
-    from rlcli.envs.rollout import MultiTurn
-
-    return MultiTurn(engine, tokenizer, cfg.env)
+__getattr__ = exports(__name__, {"ROLLOUT_ENGINES": "engines", "build_engine": "engines", "Sampling": "sampling"})

@@ -253,7 +253,7 @@ class HFEngine:
         """Nothing to release."""
 
     def weights_checksum(self) -> int:
-        """rlcli.rollout.remote.checksum of the weights generation reads."""
-        from rlcli.rollout.remote import checksum
+        """rlcli.engine.checksum of the weights generation reads."""
+        from rlcli.engine import checksum
 
         return checksum(self.model.parameters())

@@ -27,7 +27,7 @@ import os
 import pickle
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -138,7 +138,7 @@ class Placement:
 
 def placement(cfg: Any) -> Placement | None:
     """This process's place in an asynchronous job (from torchrun's RANK), or None when rollout is synchronous."""
-    from rlcli.config import asynchronous, trainer_ranks, world_size
+    from rlcli.topology import asynchronous, trainer_ranks, world_size
 
     if not asynchronous(cfg):
         return None
@@ -214,25 +214,11 @@ def join(cfg: Any, place: Placement) -> Channel:
 
 
 # ---------------------------------------------------------------------------------------------- weights
-_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def checksum(tensors: Iterable[Tensor]) -> int:
-    """Sum of the tensors' bit patterns as integers (mod 2^64): exact and independent of order and of how the
-    elements are split into tensors (a fused qkv projection, padded vocabulary rows of zeros), so the trainer's
-    weights and an engine's own layout of them give the same number, and any changed bit changes it."""
-    total = 0
-    for t in tensors:
-        bits = t.detach().contiguous().view(_INT_OF_WIDTH[t.element_size()])
-        total += int(bits.to(torch.int64).sum().item())
-    return total % 2**64
-
-
 def push_weights(channel: Channel, module: torch.nn.Module, version: int, place: Placement, dtype: torch.dtype) -> None:
     """Training ranks: send the policy's weights (as `version`) to every rollout rank; training rank 0 sends,
     the others join the ZeRO-3 gathers. The sends are not waited for (the rollout rank takes them when it next
     needs them); the previous push's are, first, so one copy of the weights is in flight at most."""
-    from rlcli.engine import full_weights, is_partitioned
+    from rlcli.engine import checksum, full_weights, is_partitioned
 
     if place.rank != 0 and not is_partitioned(module):
         return  # nothing to gather: training rank 0 has the whole weights
@@ -266,8 +252,8 @@ class RemoteRollout:
     """Training ranks: batches from this rank's rollout rank, at most `window` requests ahead."""
 
     def __init__(self, cfg: Any, channel: Channel, place: Placement, module: torch.nn.Module):
-        from rlcli.config import staleness
         from rlcli.models import DTYPES
+        from rlcli.topology import staleness
 
         s = staleness(cfg)
         self.window = s - 1 if cfg.algo.dynamic_sampling else s  # a carried group ages one more step

@@ -245,10 +245,10 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
 
     def weights_checksum(self) -> int:
-        """rlcli.rollout.remote.checksum of the module the engine reloads from. Not of vLLM's own parameters: on CPU
+        """rlcli.engine.checksum of the module the engine reloads from. Not of vLLM's own parameters: on CPU
         vLLM packs linear weights for oneDNN and empties the parameters, so their bits cannot be read back (that the
         reload takes is tested instead: tests/test_vllm.py, tests/test_async.py)."""
-        from rlcli.rollout.remote import checksum
+        from rlcli.engine import checksum
 
         return checksum(self.model.parameters())
 

@@ -24,9 +24,11 @@ import rlcli.models.tiny  # noqa: F401  otherwise count as the job's memory)
 import rlcli.models.value  # noqa: F401
 import rlcli.sft  # noqa: F401
 import rlcli.trainer  # noqa: F401
-from rlcli.cli import CONF_DIR, _environment
-from rlcli.config import register_configs, validate
-from rlcli.plan import GIB, fix_budget, measure_prompts
+from rlcli.config import CONF_DIR, register_configs, validate
+from rlcli.launch import offline_environment
+from rlcli.plan.budget import fix_budget
+from rlcli.plan.inputs import measure_prompts
+from rlcli.plan.states import GIB
 
 
 def main() -> None:
@@ -35,7 +37,7 @@ def main() -> None:
     from rlcli.trainer import Trainer
 
     steps, overrides = int(sys.argv[1]), sys.argv[2:]
-    _environment()
+    offline_environment()
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         cfg = compose("config", overrides=overrides)

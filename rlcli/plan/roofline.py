@@ -61,7 +61,8 @@ def step_time(cfg: Any, plan: Any, response: int | None = None) -> StepTime | No
     (hw.peak_tflops, hw.memory_bandwidth_gbs)."""
     from rlcli.config import units
     from rlcli.names import NEEDS_VALUES
-    from rlcli.plan import compute_bytes, kv_token_bytes
+    from rlcli.plan.activations import kv_token_bytes
+    from rlcli.plan.states import compute_bytes
 
     hw, r, a = cfg.hw, cfg.rollout, cfg.algo
     if hw.peak_tflops is None or hw.memory_bandwidth_gbs is None:

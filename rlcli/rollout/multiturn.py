@@ -29,7 +29,7 @@ import torch
 from rlcli.batch import RolloutBatch
 from rlcli.envs.chat import ChatFormat, Message
 from rlcli.envs.env import Environment, Toolbox, ToolEnv
-from rlcli.rewards.functions import import_dotted
+from rlcli.registry import import_dotted
 from rlcli.rollout.hf import left_padded
 from rlcli.rollout.sampling import Sampling
 

@@ -1,0 +1,110 @@
+"""Starting a job: the offline environment, the run directory Hydra chose, the frozen config, and the torchrun workers
+that train from it (rlcli.worker). Shared by the commands that launch jobs (rlcli.cli: train, eval, sft; rlcli.rm.job:
+rm) and by the workers themselves."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Any
+
+
+def offline_environment() -> None:
+    """Offline by default: nothing may download weights or datasets at run time."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("WANDB_SILENT", "true")
+    # User code named by a dotted path (reward.custom, env.name, env.tools) imports from the working folder, as
+    # under `python -m`; appended, so a file there never shadows an installed module. Reward workers inherit
+    # sys.path (rlcli/rewards/pool.py), torchrun workers run under `python -m`.
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+
+
+def run_dir(cfg: Any) -> str:
+    """Hydra's output directory as cfg.run_dir (which the command line may not set)."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf, open_dict
+
+    if not OmegaConf.is_missing(cfg, "run_dir"):
+        raise SystemExit(
+            f"run_dir={cfg.run_dir} is set by Hydra, not on the command line: pass "
+            f"hydra.run.dir={cfg.run_dir} (a single run) or hydra.sweep.dir={cfg.run_dir} (with -m)"
+        )
+    out = HydraConfig.get().runtime.output_dir
+    with open_dict(cfg):
+        cfg.run_dir = out
+    return out
+
+
+def freeze(cfg: Any) -> str:
+    """run_dir/config.yaml (node 0), or config.node<r>.yaml for the other nodes of a multi-node run that
+    share the run directory; written to a temp name and renamed, so a worker never reads half of it."""
+    from omegaconf import OmegaConf
+
+    name = "config.yaml" if cfg.hw.node_rank == 0 else f"config.node{cfg.hw.node_rank}.yaml"
+    path = os.path.join(cfg.run_dir, name)
+    OmegaConf.save(cfg, path + ".tmp", resolve=True)
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def launch(frozen_config: str, hw: Any, job: str = "train") -> None:
+    """Run `hw.nproc` workers of `job` (rlcli.worker.WORKERS: train | rm) under torchrun. The first
+    SIGTERM/SIGINT/SIGHUP reaches the workers once, through torchrun, which gives them hw.shutdown_timeout_s to
+    checkpoint; later ones are not passed on (a second signal would cut torchrun's wait short), except that a
+    second SIGINT kills them all at once.
+    If this process dies, torchrun gets SIGTERM (Linux), so no worker outlives it."""
+    import contextlib
+    import signal
+
+    import psutil
+
+    from rlcli.engine import free_port
+
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={hw.nproc}",
+        f"--nnodes={hw.nnodes}", f"--node_rank={hw.node_rank}", f"--master_addr={hw.master_addr}",
+        f"--master_port={hw.master_port or free_port()}", f"--shutdown-timeout={hw.shutdown_timeout_s}",
+        "-m", "rlcli.worker", frozen_config, job,
+    ]
+    from rlcli.metrics import RunLog
+
+    RunLog(os.path.dirname(frozen_config))("launching: " + " ".join(cmd))
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    # Own session: a terminal's Ctrl-C reaches this process only, and is forwarded exactly once.
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+    received: list[int] = []
+
+    def forward(signum: int, frame: Any) -> None:
+        if received and signum == signal.SIGINT:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                for p in [*psutil.Process(proc.pid).children(recursive=True), proc]:
+                    p.kill()
+        if not received:
+            proc.send_signal(signum)
+        received.append(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    try:
+        code = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if received:
+        print(f"workers stopped by {signal.Signals(received[0]).name}; see the log above", file=sys.stderr)
+        raise SystemExit(128 + received[0])
+    if code:  # not the user's mistake: the workers printed their tracebacks above
+        print(f"rlcli: workers failed with exit code {code}; see the log above", file=sys.stderr, flush=True)
+        raise SystemExit(1)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: ask Linux to send it SIGTERM when its parent dies (prctl PR_SET_PDEATHSIG)."""
+    if sys.platform == "linux":
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)
