@@ -4,7 +4,6 @@ every logged metric is tests/test_algo_registry.py's (metric_names.py)."""
 
 import re
 import shlex
-from pathlib import Path
 
 import pytest
 from conftest import ROOT, compose
@@ -25,7 +24,7 @@ FILE_SUFFIXES = {"md", "json", "jsonl", "yaml", "yml", "png", "py", "parquet"}
 def named_keys() -> dict[str, set[str]]:
     """key -> the pages naming it: dotted names that start with a root config group (`algo.clip_high`)."""
     groups = sorted(compose().keys())
-    key = re.compile(r"(?<![\w./$<-])((?:%s)(?:\.[a-z_][a-z0-9_]*)+)(?![\w(/-])" % "|".join(groups))
+    key = re.compile(rf"(?<![\w./$<-])((?:{'|'.join(groups)})(?:\.[a-z_][a-z0-9_]*)+)(?![\w(/-])")
     found: dict[str, set[str]] = {}
     for page in PAGES:
         for m in key.finditer(page.read_text()):
