@@ -88,3 +88,11 @@ def test_every_command_in_the_docs_composes_and_validates(page, command, args):
     validate(cfg)
     if command == "rm":
         validate_rm(cfg)
+
+
+def test_every_path_of_the_code_the_docs_name_exists():
+    """`rlcli/...` and `tests/...` paths in the docs are files or folders of the repository (a module that moved)."""
+    named = {p for page in PAGES for p in re.findall(r"\b((?:rlcli|tests)/[\w/]+(?:\.\w+)?)", page.read_text())}
+    assert len(named) > 50
+    missing = sorted(p for p in named if not (ROOT / p).exists())
+    assert not missing, missing
