@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 ARGS ?=
 
-.PHONY: install train sft test test-fast lint bench gpu-smoke gpu-bundle ladder-dapo ladder-vapo clean
+.PHONY: install train sft test test-fast lint docs bench gpu-smoke gpu-bundle ladder-dapo ladder-vapo clean
 
 install: $(STAMP)
 
@@ -33,8 +33,12 @@ test: install  ## the whole suite, CPU, offline
 test-fast: install  ## skip the end-to-end runs
 	$(VENV)/bin/python -m pytest -q -m "not slow" $(ARGS)
 
-lint: install
+lint: install  ## ruff, and the layers of the code (import-linter's contract in pyproject.toml)
 	$(VENV)/bin/ruff check rlcli tests
+	$(VENV)/bin/lint-imports
+
+docs: install  ## the documentation site, built offline into site/ (open site/index.html)
+	$(VENV)/bin/mkdocs build --strict
 
 ladder-dapo: install  ## DAPO Table 1 ladder on the tiny task, 3 seeds (see docs/ladders.md)
 	$(VENV)/bin/rlcli ladder dapo $(ARGS)

@@ -312,7 +312,7 @@ def test_the_32b_generation_batch_follows_dynamic_sampling():
 
 def test_model_hf_needs_a_model_path_or_a_gguf_file():
     """conf/model/hf.yaml's `path: ???` never acted (merging onto the schema's null keeps null): model=hf alone trained
-    the embedded tiny model. validate refuses it; a path or a GGUF file (the README's two commands) passes."""
+    the embedded tiny model. validate refuses it; a path or a GGUF file (docs/usage.md's two commands) passes."""
     with pytest.raises(ConfigError, match=r"model=hf needs model\.path="):
         validate(compose("model=hf", run_dir="/runs/x"))
     validate(compose("model=hf", "model.path=/models/Qwen2.5-0.5B-Instruct", run_dir="/runs/x"))

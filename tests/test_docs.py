@@ -96,3 +96,27 @@ def test_every_path_of_the_code_the_docs_name_exists():
     assert len(named) > 50
     missing = sorted(p for p in named if not (ROOT / p).exists())
     assert not missing, missing
+
+
+def test_the_readme_is_a_front_page():
+    """At most 300 lines: what rlcli is, the two set-up commands, the quick start, what it does with links, the
+    commands, where results live; the rest is the docs site."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 300
+    for heading in ("## Quick start", "## What it does", "## Commands", "## Where results live"):
+        assert heading in readme
+    assert readme.splitlines()[3:5] == [
+        "make train   # fresh machine: creates .venv, installs the pinned stack, runs `rlcli train` on the embedded default",
+        "make test    # fresh machine: creates .venv, installs, runs the whole test suite (CPU, offline) — what CI runs"]
+
+
+def test_the_docs_site_builds_in_strict_mode(tmp_path):
+    """`make docs` (MkDocs, mkdocs.yml): a broken link or anchor, or a page left out of the navigation, fails it."""
+    pytest.importorskip("mkdocs", reason="pip install 'rlcli[dev]' (mkdocs)")
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (tmp_path / "site" / "async" / "index.html").exists()

@@ -77,9 +77,10 @@ def test_a_refused_run_directory_is_a_user_error(tmp_path):
     assert_one_line(rlcli(tmp_path, "train", f"hydra.run.dir={run}"), "pass resume=auto to continue it")
 
 
-def test_readme_describes_the_failures():
-    text = (ROOT / "README.md").read_text()
-    assert "## When things go wrong" in text and "rlcli: error:" in text
+def test_the_docs_describe_the_failures():
+    text = (ROOT / "docs" / "troubleshooting.md").read_text()
+    assert "# When things go wrong" in text and "rlcli: error:" in text
+    assert "docs/troubleshooting.md" in (ROOT / "README.md").read_text()
 
 
 # ------------------------------------------------------------------- mistakes in what the machine holds (issue 34)
@@ -247,16 +248,16 @@ def test_an_unimportable_custom_reward_is_one_line_before_the_model_loads(tmp_pa
     assert_early(out, "importable from the working folder (a file ./yourpkg/rewards.py)", elapsed)
 
 
-def test_the_readme_custom_reward_example_runs_as_written_from_a_working_folder(tmp_path):
-    """README's `rlcli train +reward.custom.brevity=mypkg.rewards.brevity ...` with docs/rewards.md's
+def test_the_docs_custom_reward_example_runs_as_written_from_a_working_folder(tmp_path):
+    """docs/usage.md's `rlcli train +reward.custom.brevity=mypkg.rewards.brevity ...` with docs/rewards.md's
     mypkg/rewards.py in the working folder, through an entry point that does not put the working folder on sys.path
     (`python -P`, like the installed `rlcli` script): the main process and the reward workers import it."""
     import json
     import re
     import shlex
 
-    line = next(m for m in re.findall(r"^rlcli train .*\+reward\.custom\..*$", (ROOT / "README.md").read_text(), re.M))
-    args = shlex.split(line)[1:]  # train +reward.custom... (the command as the README writes it)
+    line = next(m for m in re.findall(r"^rlcli train .*\+reward\.custom\..*$", (ROOT / "docs" / "usage.md").read_text(), re.M))
+    args = shlex.split(line)[1:]  # train +reward.custom... (the command as the docs write it)
     name, target = next(a.removeprefix("+reward.custom.").split("=", 1) for a in args if a.startswith("+reward.custom."))
     module, _, fn = target.rpartition(".")
     code = re.search(r"```python\n# (\S+\.py)\n(def .*?)```", (ROOT / "docs" / "rewards.md").read_text(), re.S)

@@ -28,7 +28,7 @@ def test_every_relative_link_and_image_resolves():
 
 
 def test_no_process_words_in_the_user_facing_text():
-    pages = [ROOT / "README.md", *(ROOT / "docs" / "experiments").glob("*.md")]
+    pages = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md")]
     process = re.compile(r"\bsessions?\b|\bissues?\b|#\d+\b", re.I)
     hits = [f"{p.name}:{i}: {line.strip()}" for p in pages
             for i, line in enumerate(p.read_text().splitlines(), 1) if process.search(line)]
@@ -36,10 +36,11 @@ def test_no_process_words_in_the_user_facing_text():
 
 
 def test_the_resume_may_change_list_is_the_codes():
-    """README "Checkpoints and resume" lists exactly checkpoint.MAY_CHANGE and MAY_CHANGE_GROUPS."""
+    """docs/checkpoints.md lists exactly checkpoint.MAY_CHANGE and MAY_CHANGE_GROUPS."""
     from rlcli.checkpoint import MAY_CHANGE, MAY_CHANGE_GROUPS
 
-    section = README[README.index("- Keys that may change"):]
+    checkpoints = (ROOT / "docs" / "checkpoints.md").read_text()
+    section = checkpoints[checkpoints.index("- Keys that may change"):]
     section = section[: section.index("- `hw.nproc` and `hw.zero_stage` may not change")]
     listed = set(re.findall(r"`([a-z_]+(?:\.[a-z_]+)*(?:\.\*)?)`", section)) - {"optim.scheduler"}
     code = set(MAY_CHANGE) | {g + "*" for g in MAY_CHANGE_GROUPS}
@@ -47,13 +48,14 @@ def test_the_resume_may_change_list_is_the_codes():
 
 
 def test_the_group_order_and_the_stages_are_the_codes():
-    """The group order the README states is conf/config.yaml's; the stages the design page lists are the
+    """The group order docs/config.md states is conf/config.yaml's; the stages the design page lists are the
     loop's timed stages."""
     from omegaconf import OmegaConf
 
     defaults = OmegaConf.load(ROOT / "conf" / "config.yaml").defaults
     groups = [next(iter(d)).removeprefix("optional ") for d in defaults if not isinstance(d, str)]
-    stated = re.search(r"Group order in `conf/config.yaml` is `([^`]+)`", README).group(1).split(", ")
+    config = (ROOT / "docs" / "config.md").read_text()
+    stated = re.search(r"Group order in `conf/config.yaml` is `([^`]+)`", config).group(1).split(", ")
     assert stated == groups
     loop = (ROOT / "rlcli" / "trainer.py").read_text()
     made = (ROOT / "rlcli" / "rollout" / "remote.py").read_text()  # stages 1-3 time themselves where they run

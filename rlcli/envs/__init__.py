@@ -1,5 +1,5 @@
-"""Multi-turn rollout: environments the policy talks to between its turns, and tools (README, "Multi-turn and
-tools").
+"""Multi-turn rollout: environments the policy talks to between its turns, and tools
+(docs/tools.md).
 
     env.py      the Environment protocol (reset / step), StepResult, ToolEnv over @tool functions
     tools.py    @tool, call formats, the workers' side of tool calls (a sandboxed pool, as the reward's)
