@@ -111,7 +111,7 @@ class ModelConfig:
 
 @dataclass
 class AsyncRolloutConfig:
-    """Asynchronous rollout (docs/async.md: generation on ranks of their own, overlapping the
+    """Asynchronous rollout (docs/async.md): generation on ranks of their own, overlapping the
     update, the policy lag of every trained token bounded."""
 
     max_staleness: int | None = rng(None, ge=0, why="null = synchronous rollout in every training process")
@@ -212,7 +212,7 @@ class HWConfig:
     """Processes (data-parallel ranks) per node; >1 makes `rlcli train` launch workers with torchrun."""
     nnodes: int = rng(1, ge=1)
     """Nodes. Each node runs the same `rlcli train` command with its own hw.node_rank; torchrun's static
-    rendezvous at hw.master_addr:hw.master_port joins them (docs/scaling.md."""
+    rendezvous at hw.master_addr:hw.master_port joins them (docs/scaling.md)."""
     node_rank: int = rng(0, ge=0)
     """This node's index, 0 .. hw.nnodes-1 (node 0 hosts the rendezvous and rank 0)."""
     master_addr: str = "127.0.0.1"
@@ -273,7 +273,7 @@ class HWConfig:
 
 @dataclass
 class EnvConfig:
-    """Multi-turn rollout with an environment between the policy's turns (rlcli/envs; docs/tools.md."""
+    """Multi-turn rollout with an environment between the policy's turns (rlcli/envs; docs/tools.md)."""
 
     name: str | None = None
     """null = single-turn rollout; tools = call env.tools and show their results; or a dotted path to a class with
@@ -304,7 +304,7 @@ class CheckpointConfig:
     every: int = rng(20, ge=0, why="0 = only when stopped by a signal")
     """Write a checkpoint every this many training steps and at the last one (0 = only when stopped by
     SIGTERM/SIGINT). 20 suits models up to ~1B, whose checkpoint costs seconds; model=qwen2.5-32b sets 5
-    (docs/checkpoints.md. `save=false` turns these off too, the one on a signal included: such a
+    (docs/checkpoints.md). `save=false` turns these off too, the one on a signal included: such a
     run writes no checkpoint, whatever `every` says."""
     hf_every: int = rng(0, ge=0, why="0 = off")
     """Also save the policy in Hugging Face format every this many training steps, to run_dir/hf/step_<N>
@@ -426,7 +426,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer and LR schedule (the actor's)."""
     distill: DistillConfig = field(default_factory=DistillConfig)
-    """On-policy distillation from a teacher model (docs/usage.md, "Distillation"; off while distill.teacher is null."""
+    """On-policy distillation from a teacher model (docs/usage.md, "Distillation"); off while distill.teacher is null."""
     critic: CriticConfig = field(default_factory=CriticConfig)
     """The value model, built only when algo.adv_estimator needs values (gae, vapo_grpo_hybrid)."""
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -434,7 +434,7 @@ class Config:
     ladder: LadderConfig = field(default_factory=LadderConfig)
     """Ladder-rung metadata, set by recipes only."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    """Periodic checkpoints for exact resume (docs/checkpoints.md."""
+    """Periodic checkpoints for exact resume (docs/checkpoints.md)."""
     rm: RMConfig = field(default_factory=RMConfig)
     """`rlcli rm`: the preference pairs and Bradley-Terry objective of a reward model (conf/rm/; read by no other
     command)."""
@@ -781,7 +781,7 @@ def validate_switches(cfg: Any) -> None:
 
 
 def validate_env(cfg: Any) -> None:
-    """Multi-turn rollout's rules (docs/tools.md."""
+    """Multi-turn rollout's rules (docs/tools.md)."""
     from rlcli.envs.tools import load_tools
     from rlcli.registry import import_dotted
 

@@ -43,7 +43,7 @@ KL_ESTIMATORS = Names("KL estimator", ("k1", "k2", "k3"))
 AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_sum_const")
 """Loss aggregation modes (docs/algorithms.md, "Policy loss and aggregation"), see `functional.aggregate`."""
 ROLLOUT_CORRECTION_LEVELS = ("token", "sequence")
-OFF_POLICY = ("auto", "recompute", "bypass", "decoupled")  # algo.off_policy (docs/async.md
+OFF_POLICY = ("auto", "recompute", "bypass", "decoupled")  # algo.off_policy (docs/async.md)
 ROLLOUT_ENGINES = Names("rollout engine", ("hf", "vllm"))
 TOOL_FORMATS = ("compact", "hermes")  # env.tool_format (rlcli/envs/tools.py)
 SCHEDULERS = ("constant_with_warmup", "constant", "linear", "cosine", "cosine_with_restarts", "polynomial", "inverse_sqrt")

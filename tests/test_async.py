@@ -1,4 +1,4 @@
-"""Asynchronous rollout (docs/async.md: rollout ranks of their own, a bounded staleness.
+"""Asynchronous rollout (docs/async.md): rollout ranks of their own, a bounded staleness.
 
 The end-to-end tests run the real CLI: torchrun with one training rank and one rollout rank (hw=cpu_x2), real
 DeepSpeed, real HF and vLLM engines, weights pushed over gloo, processes killed with real signals.

@@ -142,7 +142,7 @@ class AlgoConfig:
     """Lower bound: weights outside [lower, upper] are zeroed (masked IS, IcePop) instead of truncated;
     null = truncate only."""
 
-    # --- off-policy rows: asynchronous rollout (docs/async.md -------------------
+    # --- off-policy rows: asynchronous rollout (docs/async.md) -------------------
     off_policy: str = rng("auto", choices=OFF_POLICY)
     """What the update takes as the old policy of rows a lagging sampler generated: recompute (the trainer's
     log-probs under this step's weights: the ratio ignores the lag; the synchronous loop) | bypass (the sampler's
@@ -184,7 +184,7 @@ def validate(cfg: Any) -> None:
 
 @dataclass
 class DistillConfig:
-    """On-policy distillation (docs/usage.md, "Distillation": the student samples, a frozen teacher scores every sampled
+    """On-policy distillation (docs/usage.md, "Distillation"): the student samples, a frozen teacher scores every sampled
     token, and coef x (log π_teacher(y_t) − log π_student(y_t)) joins the algorithm's advantage per token."""
 
     teacher: str | None = None

@@ -1,5 +1,5 @@
 """Where generation batches come from: this process's own engine (synchronous), or rollout ranks of their own
-(asynchronous rollout with a bounded staleness, docs/async.md.
+(asynchronous rollout with a bounded staleness, docs/async.md).
 
 One generation batch is one `Request` turned into one `Produced` by `produce`: generate, reward, shape. Its
 sampling RNG is seeded from (seed, group_offset) and forked from the process's own, so a batch's tokens do not

@@ -137,7 +137,7 @@ def _sparing_the_default_group(shutdown: Callable[[], None]) -> Callable[[], Non
 
 
 class VLLMEngine:
-    """`rollout.engine=vllm` (docs: docs/rollout_engines.md."""
+    """`rollout.engine=vllm` (docs/rollout_engines.md)."""
 
     logprobs_are_free = True  # vLLM returns the sampled tokens' log-probs as it samples: always logged
 
