@@ -200,9 +200,9 @@ class Trainer:
         s = self.state
         per_trajectory: dict[str, list[Tensor]] = defaultdict(list)
         counts: dict[str, float] = defaultdict(float)
+        timer.stage = "rollout"  # from the first agreement on held groups (a collective) on
 
         def sample() -> RolloutBatch:
-            timer.stage = "rollout"
             made = s.rollout.next(lambda v: s.request(self.units.gen_p_local, v), s.step, self.cfg.steps - step)
             for into, part in ((timer.seconds, made.seconds), (counts, made.counts)):
                 for k, v in part.items():

@@ -278,6 +278,20 @@ def test_killing_one_of_two_ranks_stops_the_other_with_an_error(tmp_path, cache)
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in workers)
 
 
+def test_a_collective_failing_before_the_first_sample_names_the_rollout_stage(make_trainer):
+    """The step's first collective is the agreement on held groups, before any sampling: a timeout there is
+    reported "in or after stage rollout" (it read "stage None" when rank 1 stopped between steps, CI 2026-11-26)."""
+    trainer = make_trainer("steps=2")
+
+    def times_out(kept: int) -> int:
+        raise RuntimeError("Timed out waiting 15000ms for send operation to complete")
+
+    trainer.state.sampler.agree = times_out
+    with pytest.raises(RuntimeError) as caught:
+        trainer.fit()
+    assert "rank 0 of 1: training step 1, in or after stage rollout" in caught.value.__notes__
+
+
 @pytest.mark.slow
 def test_a_stuck_rank_becomes_an_error_naming_rank_step_and_stage(tmp_path, cache):
     """SIGSTOP rank 1 (alive, never reaching its next collective): rank 0's collective fails after
