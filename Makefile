@@ -47,13 +47,13 @@ ladder-vapo: install  ## VAPO Table 1 leave-one-out ladder on the tiny task, 3 s
 	$(VENV)/bin/rlcli ladder vapo $(ARGS)
 
 bench: install  ## speed and memory numbers, printed
-	$(VENV)/bin/python -m rlcli.bench $(ARGS)
+	$(VENV)/bin/python -m rlcli.commands.bench $(ARGS)
 
 gpu-smoke: install  ## on one CUDA GPU: speed, memory vs plan, rollout correction, the real model's curve (docs/gpu.md)
-	$(VENV)/bin/python -m rlcli.gpu_smoke $(ARGS)
+	$(VENV)/bin/python -m rlcli.commands.gpu_smoke $(ARGS)
 
 gpu-bundle: install  ## .gpu/a, .gpu/b: what a GPU machine without network needs beside its torch (docs/gpu.md)
-	$(VENV)/bin/python -m rlcli.gpu_smoke --bundle .gpu
+	$(VENV)/bin/python -m rlcli.commands.gpu_smoke --bundle .gpu
 
 clean:
 	rm -rf $(VENV) runs outputs .pytest_cache

@@ -22,14 +22,14 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from rlcli.algos.config import AlgoConfig, DistillConfig
+from rlcli.core.loggers import check_installed
+from rlcli.core.names import ATTN_IMPLEMENTATIONS, MODEL_DTYPES, ROLLOUT_ENGINES, SCHEDULERS, TOOL_FORMATS
+from rlcli.core.schema import ConfigError, check_known_keys, check_ranges, keyword_field, rng
+from rlcli.core.topology import asynchronous, rollout_ranks, staleness, trainer_ranks, world_size
 from rlcli.data.config import DataConfig
-from rlcli.loggers import check_installed
 from rlcli.models.config import CriticConfig, TinyModelConfig, WarmStartConfig
-from rlcli.names import ATTN_IMPLEMENTATIONS, MODEL_DTYPES, ROLLOUT_ENGINES, SCHEDULERS, TOOL_FORMATS
 from rlcli.rewards.config import MODEL_PART, RewardConfig, group_base
 from rlcli.rm.config import RMConfig
-from rlcli.schema import ConfigError, check_known_keys, check_ranges, keyword_field, rng
-from rlcli.topology import asynchronous, rollout_ranks, staleness, trainer_ranks, world_size
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 """Hydra's config directory: the groups (algo, model, hw, reward, ...) and conf/recipe."""
@@ -324,7 +324,7 @@ class LoggerConfig:
     """Where metrics go. The terminal and run_dir/metrics.jsonl always; each backend below when on: `logger=wandb`
     (or tensorboard, mlflow) turns one on, `logger=[wandb,tensorboard]` several, `logger.mlflow=true` adds one. Each
     gets every row of metrics.jsonl at its step, the resolved config, the run's curves at the end, and continues
-    across resume=auto with no step twice (rlcli/loggers.py; docs/metrics.md, "Logger backends")."""
+    across resume=auto with no step twice (rlcli/core/loggers.py; docs/metrics.md, "Logger backends")."""
 
     wandb: bool = False
     """Weights & Biases (logger.project, logger.mode)."""
@@ -607,14 +607,14 @@ def units(cfg: Any) -> BatchUnits:
 
 
 def validate(cfg: DictConfig | Any) -> None:
-    """Every field against the range or choices its schema declares (rlcli.schema), then the rules that relate
+    """Every field against the range or choices its schema declares (rlcli.core.schema), then the rules that relate
     fields; raise ConfigError naming key and fix. Nothing is loaded before this passes."""
     from rlcli.algos.config import validate as validate_algo
     from rlcli.algos.config import validate_distill
+    from rlcli.core.sweep import parse_objective
     from rlcli.data.config import validate as validate_data
     from rlcli.models.config import validate_critic, validate_tiny
     from rlcli.rewards.config import validate as validate_reward
-    from rlcli.sweep import parse_objective
 
     check_known_keys(cfg, Config)
     check_ranges(cfg, Config)
@@ -741,7 +741,7 @@ def validate_async(cfg: Any) -> None:
 
 def validate_switches(cfg: Any) -> None:
     """A switch that is on must act: reject the combinations in which one would silently do nothing."""
-    from rlcli.names import GROUP_ESTIMATORS, NEEDS_VALUES
+    from rlcli.core.names import GROUP_ESTIMATORS, NEEDS_VALUES
 
     a, c = cfg.algo, cfg.critic
     needs_critic = {
@@ -782,8 +782,8 @@ def validate_switches(cfg: Any) -> None:
 
 def validate_env(cfg: Any) -> None:
     """Multi-turn rollout's rules (docs/tools.md)."""
+    from rlcli.core.registry import import_dotted
     from rlcli.envs.tools import load_tools
-    from rlcli.registry import import_dotted
 
     e, r = cfg.env, cfg.rollout
     try:

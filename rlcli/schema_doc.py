@@ -43,8 +43,8 @@ def _default(f: dataclasses.Field) -> Any:
 
 def knobs(cls: type, prefix: str = "") -> list[tuple[str, str, Any, str]]:
     """(key, type, default, doc) for every leaf field, recursing into nested dataclasses; the doc ends with the
-    field's valid range or choices where the schema declares them (rlcli.schema)."""
-    from rlcli.schema import range_of
+    field's valid range or choices where the schema declares them (rlcli.core.schema)."""
+    from rlcli.core.schema import range_of
 
     rows = []
     docs = field_docs(cls)
@@ -59,7 +59,7 @@ def knobs(cls: type, prefix: str = "") -> list[tuple[str, str, Any, str]]:
             spec = range_of(f)
             if spec is not None:
                 doc += f" Valid: {spec.text()}" + (" or null." if "None" in str(hints[f.name]) else ".")
-            if isinstance(value, dict):  # rlcli.schema.check_known_keys leaves these keys to the user
+            if isinstance(value, dict):  # rlcli.core.schema.check_known_keys leaves these keys to the user
                 doc += f" Open: add keys with +{key}.<name>=<value>."
             rows.append((key, str(hints[f.name]).replace("typing.", ""), value, doc))
     return rows

@@ -63,7 +63,7 @@ def make_trainer(tmp_path, monkeypatch):
     """make_trainer(*overrides, run="run") -> an in-process Trainer on FAST + `overrides` (validated), with the
     test's cache and the run directory tmp_path/run; its reward workers are closed after the test."""
     from rlcli.config import validate
-    from rlcli.trainer import Trainer
+    from rlcli.loop.trainer import Trainer
 
     monkeypatch.setenv("RLCLI_CACHE", str(tmp_path / "cache"))
     made = []
@@ -87,8 +87,8 @@ def calculator_cache(tmp_path_factory):
     """An RLCLI_CACHE root holding the warm start of recipe=tools/calculator (half the demonstrations call the
     calculator; ~60 s, once per session). -> (the root, the warm-started model's directory)"""
     from rlcli.models.config import WarmStartConfig
+    from rlcli.models.sft import warm_start
     from rlcli.models.tiny import TinyModelConfig
-    from rlcli.sft import warm_start
 
     cfg = compose("recipe=tools/calculator")
     root = tmp_path_factory.mktemp("calculator")
@@ -126,7 +126,7 @@ def rlcli(tmp_path, *args: str, timeout: int = 600):
     """Run `rlcli <args>` in tmp_path (cache tmp_path/cache); assert it succeeds. -> the completed process"""
     import subprocess
 
-    out = subprocess.run([sys.executable, "-m", "rlcli.cli", *args], cwd=tmp_path, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "rlcli.commands.cli", *args], cwd=tmp_path, capture_output=True, text=True,
                          timeout=timeout, env=cli_env(tmp_path))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     return out

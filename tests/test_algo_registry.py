@@ -270,13 +270,13 @@ def test_kl_controllers():
 
 
 def test_every_declared_name_is_registered_and_nothing_else():
-    """Validation checks names against rlcli/names.py without importing torch; the registries must hold
+    """Validation checks names against rlcli/core/names.py without importing torch; the registries must hold
     exactly those names (a registry refuses an undeclared one)."""
-    from rlcli import names
+    from rlcli.core import names
     from rlcli.rollout import ROLLOUT_ENGINES
 
     for declared, registry in ((names.ADVANTAGES, ADVANTAGES), (names.POLICY_LOSSES, POLICY_LOSSES),
                                (names.KL_ESTIMATORS, KL_ESTIMATORS), (names.ROLLOUT_ENGINES, ROLLOUT_ENGINES)):
         assert set(declared) == set(registry), declared.kind
-    with pytest.raises(ValueError, match="not declared in rlcli/names.py"):
+    with pytest.raises(ValueError, match="not declared in rlcli/core/names.py"):
         ADVANTAGES.register("my_new_estimator")(lambda inp, cfg: None)

@@ -30,15 +30,15 @@ def test_the_layers_contract_is_kept():
 
 
 def test_an_upward_import_breaks_the_contract(tmp_path):
-    """A copy of the package whose base (rlcli.schema) imports a command (rlcli.cli), inside a function as rlcli's
+    """A copy of the package whose base (rlcli.core.schema) imports a command (rlcli.commands.cli), inside a function as rlcli's
     lazy imports are: the contract names the import and fails."""
     shutil.copytree(ROOT / "rlcli", tmp_path / "rlcli", ignore=shutil.ignore_patterns("conf", "__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path)
-    with open(tmp_path / "rlcli" / "schema.py", "a") as f:
-        f.write("\n\ndef _upward():\n    from rlcli import cli  # noqa: F401\n")
+    with open(tmp_path / "rlcli" / "core" / "schema.py", "a") as f:
+        f.write("\n\ndef _upward():\n    from rlcli.commands import cli  # noqa: F401\n")
     out = lint(tmp_path)
     assert out.returncode == 1 and "0 kept, 1 broken" in out.stdout, out.stdout[-3000:]
-    assert "rlcli.schema is not allowed to import rlcli.cli" in out.stdout
+    assert "rlcli.core.schema is not allowed to import rlcli.commands.cli" in out.stdout
 
 
 def test_the_import_graph_has_no_circle():
@@ -52,7 +52,7 @@ def test_the_import_graph_has_no_circle():
 
 def test_every_module_stands_on_a_floor():
     """Each module is (inside) one entry of the layers; the packages left out are faces: their __init__.py defines
-    no function or class (names are handed on, lazily, by rlcli.lazy)."""
+    no function or class (names are handed on, lazily, by rlcli.core.lazy)."""
     layers = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"][0]["layers"]
     floors = [name.strip() for layer in layers for name in layer.split(":")]
     graph = grimp.build_graph("rlcli")
@@ -62,5 +62,6 @@ def test_every_module_stands_on_a_floor():
         assert init.is_file(), f"{module} stands on no floor of pyproject.toml's layers: add it to one"
         defined = [n for n in ast.parse(init.read_text()).body if isinstance(n, ast.FunctionDef | ast.ClassDef)]
         assert not defined, f"{module}/__init__.py defines {[n.name for n in defined]} but stands on no floor"
-    assert set(homeless) == {"rlcli", "rlcli.algos", "rlcli.models", "rlcli.rewards", "rlcli.rm", "rlcli.rollout"}
+    assert set(homeless) == {"rlcli", "rlcli.algos", "rlcli.commands", "rlcli.core", "rlcli.loop", "rlcli.models", "rlcli.rewards",
+                             "rlcli.rm", "rlcli.rollout"}
 

@@ -5,7 +5,7 @@ import statistics
 
 import pytest
 
-from rlcli.answers import extract_final_answer
+from rlcli.core.answers import extract_final_answer
 from rlcli.data.arith import (
     arith_examples,
     carry_columns,

@@ -20,8 +20,8 @@ from conftest import FAST, ROOT, compose, metric_rows, policy_tensors, stable
 from test_checkpoint import finish, kill_tree, logged_step, start, train, wait_for
 
 from rlcli.config import off_policy, units, validate
+from rlcli.core.schema import ConfigError
 from rlcli.engine import checksum
-from rlcli.schema import ConfigError
 
 
 # ---------------------------------------------------------------------------------------------- config
@@ -169,7 +169,7 @@ def test_the_bound_holds_and_no_prompt_is_lost_or_trained_twice_across_a_kill(tm
 def test_sigterm_checkpoints_with_the_batch_in_flight_and_resumes(tmp_path, cache):
     """SIGTERM (Ctrl-C, Slurm) reaches every rank through torchrun: the rollout rank keeps serving until the training
     rank has finished its step and saved the checkpoint, with the batch generated ahead in it; the run resumes."""
-    from rlcli import checkpoint as ckpt
+    from rlcli.loop import checkpoint as ckpt
 
     args = ["steps=6", "hw=cpu_x2", "rollout.async.max_staleness=1", *FAST, "eval.before=false",
             "checkpoint.every=0"]
@@ -192,7 +192,7 @@ def rollout_worker(proc):
     """The torchrun worker with RANK=1 (the rollout rank) under the run `proc`."""
     for p in psutil.Process(proc.pid).children(recursive=True):
         try:
-            if p.environ().get("RANK") == "1" and "rlcli.worker" in " ".join(p.cmdline()):
+            if p.environ().get("RANK") == "1" and "rlcli.commands.worker" in " ".join(p.cmdline()):
                 return p
         except psutil.Error:
             continue

@@ -21,7 +21,7 @@ import torch
 from conftest import FAST, ROOT, compose, metric_rows, policy_tensors, stable
 from omegaconf import OmegaConf
 
-from rlcli import checkpoint as ckpt
+from rlcli.loop import checkpoint as ckpt
 
 
 # ---------------------------------------------------------------------------------------------- units
@@ -109,7 +109,7 @@ def test_a_fresh_run_refuses_a_run_dir_that_holds_checkpoints(tmp_path):
     run = tmp_path / "run"
     (run / "checkpoints" / "step_2").mkdir(parents=True)
     (run / "checkpoints" / "latest").write_text("step_2\n")
-    out = subprocess.run([sys.executable, "-m", "rlcli.cli", "train", f"hydra.run.dir={run}"], cwd=tmp_path,
+    out = subprocess.run([sys.executable, "-m", "rlcli.commands.cli", "train", f"hydra.run.dir={run}"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "pass resume=auto to continue it" in out.stderr, out.stderr[-2000:]
 
@@ -147,7 +147,7 @@ def environment(cache):
 
 
 def start(tmp_path, cache, *args):
-    return subprocess.Popen([sys.executable, "-m", "rlcli.cli", "train", *args], cwd=tmp_path, text=True,
+    return subprocess.Popen([sys.executable, "-m", "rlcli.commands.cli", "train", *args], cwd=tmp_path, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=environment(cache))
 
 
@@ -261,7 +261,7 @@ def two_rank_run(tmp_path, cache, collective_timeout_s, shutdown_timeout_s):
                  f"hw.shutdown_timeout_s={shutdown_timeout_s}", f"hydra.run.dir={run}", *FAST)
     wait_for(logged_step(run, 1), proc)
     workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
-               if "rlcli.worker" in p.cmdline() and "torch.distributed.run" not in p.cmdline()]
+               if "rlcli.commands.worker" in p.cmdline() and "torch.distributed.run" not in p.cmdline()]
     assert len(workers) == 2
     return proc, sorted(workers, key=lambda p: p.environ()["RANK"])
 
@@ -410,7 +410,7 @@ def test_train_refuses_a_run_dir_without_room_for_a_checkpoint_before_loading(tm
     """shutil.disk_usage reports 1 MiB free: `rlcli train` stops before the warm start, naming what it needs."""
     code = ("import collections, shutil, sys\n"
             "shutil.disk_usage = lambda p: collections.namedtuple('U', 'total used free')(2**30, 2**30 - 2**20, 2**20)\n"
-            "from rlcli.cli import main\nmain(sys.argv[1:])\n")
+            "from rlcli.commands.cli import main\nmain(sys.argv[1:])\n")
     out = subprocess.run([sys.executable, "-c", code, "train", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
@@ -434,7 +434,7 @@ def test_a_damaged_latest_checkpoint_falls_back_and_the_resume_equals_the_straig
     assert states
     truncate(states[0])
 
-    refused = subprocess.run([sys.executable, "-m", "rlcli.cli", "train", *args, f"hydra.run.dir={tmp_path / 'b'}",
+    refused = subprocess.run([sys.executable, "-m", "rlcli.commands.cli", "train", *args, f"hydra.run.dir={tmp_path / 'b'}",
                               f"resume={run / 'checkpoints' / 'step_4'}"], cwd=tmp_path, capture_output=True,
                              text=True, env=environment(cache), timeout=120)
     assert refused.returncode == 2 and f"rlcli: error: resume={run / 'checkpoints' / 'step_4'}" in refused.stderr
@@ -476,8 +476,8 @@ def test_every_loop_state_field_survives_a_save_and_a_load():
 
     from rlcli.algos.kl import AdaptiveKLController
     from rlcli.data import PromptStream
+    from rlcli.loop.state import CARRIED, LoopState
     from rlcli.rollout.sampler import GroupSampler
-    from rlcli.state import CARRIED, LoopState
 
     def fresh():
         return LoopState(prompts=PromptStream([{"prompt": f"q{i}", "answer": str(i)} for i in range(10)], 0, True, 0, 1),

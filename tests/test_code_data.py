@@ -14,6 +14,7 @@ import pytest
 from conftest import CONF, ROOT
 from omegaconf import OmegaConf
 
+from rlcli.core.schema import ConfigError
 from rlcli.data import load_split
 from rlcli.data.adapters import ADAPTERS, BadRow
 from rlcli.data.code_tasks import (
@@ -27,9 +28,8 @@ from rlcli.data.code_tasks import (
 )
 from rlcli.data.config import DataConfig, validate
 from rlcli.data.loaders import read_rows, resolve_path
-from rlcli.eval import metrics as eval_metrics
-from rlcli.eval_metrics import pass_at_k, summarize
-from rlcli.schema import ConfigError
+from rlcli.loop.eval import metrics as eval_metrics
+from rlcli.loop.eval_metrics import pass_at_k, summarize
 
 SHIPPED = ROOT / "rlcli" / "data" / "samples" / "code_fns.jsonl"
 

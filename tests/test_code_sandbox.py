@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from rlcli.core.schema import ConfigError
 from rlcli.rewards import RewardManager
 from rlcli.rewards.code import code_reward, execute, execute_stdio, extract_program, interpreter
 from rlcli.rewards.config import RewardConfig
-from rlcli.schema import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 SQUARE = "def f(x):\n    return x * x\n"

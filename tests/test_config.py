@@ -10,7 +10,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from rlcli.config import validate
-from rlcli.schema import ConfigError
+from rlcli.core.schema import ConfigError
 from rlcli.schema_doc import group_options
 
 
@@ -109,7 +109,7 @@ def test_unknown_name_lists_valid_names():
 
 def rlcli(*args, timeout=120):
     return subprocess.run(
-        [sys.executable, "-m", "rlcli.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "rlcli.commands.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
     )
 
 
@@ -147,7 +147,7 @@ def test_warm_start_range_is_the_same_whatever_the_rl_data():
     """The tiny model's warm start trains on the data config's arith range for every data source, so
     `model=tiny data=gsm8k` reuses the warm start `rlcli sft` builds (not arith_examples' own defaults)."""
     from rlcli.models import warm_start_data
-    from rlcli.sft import task_args
+    from rlcli.models.sft import task_args
 
     assert task_args(**warm_start_data(make(["data=gsm8k"]).data)) == task_args(**warm_start_data(make().data))
     assert warm_start_data(make(["data=gsm8k", "data.max_digits=3"]).data)["max_digits"] == 3
@@ -289,7 +289,7 @@ def test_the_cli_answers_without_importing_the_heavy_stack(argv, tmp_path):
     """Composing, validating, --help, --cfg, explain and plan need the schema, not torch (issue 21 §5): a
     typo must fail before `import torch` alone would have finished."""
     code = (
-        "import sys\nfrom rlcli.cli import main\n"
+        "import sys\nfrom rlcli.commands.cli import main\n"
         f"try:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
         f"heavy = [m for m in {HEAVY!r} if m in sys.modules]\n"
         "assert not heavy, heavy\nprint('LIGHT')\n"

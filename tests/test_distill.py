@@ -42,7 +42,7 @@ def test_a_teacher_equal_to_the_student_changes_nothing_bit_for_bit(make_trainer
     for (n, p), q in zip(plain.learner.actor.module.named_parameters(), same.learner.actor.module.parameters()):
         assert torch.equal(p, q), n
     assert all(not p.requires_grad for p in same.learner.teacher.parameters()) and not same.learner.teacher.training
-    from rlcli.summary import startup_summary
+    from rlcli.loop.summary import startup_summary
 
     assert f"distillation   teacher {plain.model_path}, coef 1.0" in startup_summary(same)
     assert "distillation   none" in startup_summary(plain)
@@ -50,9 +50,9 @@ def test_a_teacher_equal_to_the_student_changes_nothing_bit_for_bit(make_trainer
 
 def test_a_teacher_with_another_tokenizer_is_refused_before_any_weights_load(tmp_path):
     """The tiny student's tokenizer with two token ids swapped: refused, naming the key and the fix, in under 2 s."""
+    from rlcli.core.schema import ConfigError
     from rlcli.models.checks import check_teacher
     from rlcli.models.tiny import TOKENIZER_DIR
-    from rlcli.schema import ConfigError
 
     teacher = tmp_path / "teacher"
     shutil.copytree(TOKENIZER_DIR, teacher)
@@ -73,7 +73,7 @@ def test_a_teacher_with_another_tokenizer_is_refused_before_any_weights_load(tmp
 
 def test_algo_distill_needs_a_teacher():
     from rlcli.config import validate
-    from rlcli.schema import ConfigError
+    from rlcli.core.schema import ConfigError
 
     with pytest.raises(ConfigError, match=r"algo=distill .* set distill.teacher="):
         validate(compose(*FAST, "algo=distill", run_dir="/tmp/unused"))

@@ -10,10 +10,10 @@ group is carried. Seed 7 needs 4 generation batches.
 import pytest
 import torch
 
-from rlcli.learner import rl_phase
-from rlcli.metrics import Timer
+from rlcli.loop.learner import rl_phase
+from rlcli.loop.metrics import Timer
+from rlcli.loop.trainer import DynamicSamplingExhausted
 from rlcli.models import response_logprobs
-from rlcli.trainer import DynamicSamplingExhausted
 
 pytestmark = pytest.mark.slow
 

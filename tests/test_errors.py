@@ -10,7 +10,7 @@ from conftest import ROOT
 
 
 def rlcli(tmp_path, *args, env=None, code=None, python_flags=()):
-    cmd = [sys.executable, *python_flags, "-c", code] if code else [sys.executable, "-m", "rlcli.cli"]
+    cmd = [sys.executable, *python_flags, "-c", code] if code else [sys.executable, "-m", "rlcli.commands.cli"]
     environ = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     return subprocess.run([*cmd, *args], cwd=tmp_path, capture_output=True, text=True, timeout=120,
                           env={**environ, **(env or {})})
@@ -63,7 +63,7 @@ def test_an_internal_error_keeps_its_traceback_and_exits_1(tmp_path):
     code = ("import sys, rlcli.config\n"
             "def broken(cfg):\n    max([])\n"
             "rlcli.config.validate = broken\n"
-            "from rlcli.cli import main\nmain(sys.argv[1:])\n")
+            "from rlcli.commands.cli import main\nmain(sys.argv[1:])\n")
     out = rlcli(tmp_path, "train", f"hydra.run.dir={tmp_path}/run", code=code)
     assert out.returncode == 1, out.stderr[-3000:]
     assert "Traceback" in out.stderr and "max() arg is an empty sequence" in out.stderr
@@ -91,7 +91,7 @@ SMALL = ["model.warm_start.enabled=false", "rollout.prompts_per_step=4", "rollou
          "data.eval_size=4", "eval.before=false", "save=false", "hw.num_threads=1"]
 LOADED = ("memory plan", "rlcli train\n", "rlcli eval\n", "warm start", "Loading weights")
 """What a run prints once it measures prompts or loads a model: none of it may appear before these errors."""
-PROBE = ("import sys\nfrom rlcli.cli import main\ntry:\n    main(sys.argv[1:])\nfinally:\n"
+PROBE = ("import sys\nfrom rlcli.commands.cli import main\ntry:\n    main(sys.argv[1:])\nfinally:\n"
          "    print('heavy modules:', [m for m in ('torch', 'transformers', 'tokenizers') if m in sys.modules])\n")
 """`rlcli` (the working folder on sys.path, as under `python -m`) that reports on stdout whether it imported the
 model stack: a check that answers before any model or tokenizer loads never needs it."""
@@ -160,7 +160,7 @@ def checkpoint_dir(tmp_path):
     10-step SMALL run on one rank, without training: what `rlcli train resume=` checks before anything loads."""
     from conftest import compose
 
-    from rlcli import checkpoint as ckpt
+    from rlcli.loop import checkpoint as ckpt
 
     path = tmp_path / "earlier" / "checkpoints" / "step_4"
     path.mkdir(parents=True)
@@ -204,8 +204,8 @@ def test_a_hub_id_in_the_local_cache_passes_the_check_offline(tmp_path, monkeypa
     does not check at all (a preset's hub id plans from model.arch without weights: tests/test_plan.py)."""
     from omegaconf import OmegaConf
 
+    from rlcli.core.schema import ConfigError
     from rlcli.models.config import check_model_path
-    from rlcli.schema import ConfigError
 
     snapshot = tmp_path / "hub" / "models--org--tiny" / "snapshots" / "abc123"
     snapshot.mkdir(parents=True)
@@ -231,7 +231,7 @@ def test_an_os_error_inside_the_job_stays_an_internal_error(tmp_path):
     code = ("import sys, rlcli.config\n"
             "def broken(cfg):\n    open('/nonexistent/dir/file')\n"
             "rlcli.config.validate = broken\n"
-            "from rlcli.cli import main\nmain(sys.argv[1:])\n")
+            "from rlcli.commands.cli import main\nmain(sys.argv[1:])\n")
     out = rlcli(tmp_path, "train", f"hydra.run.dir={tmp_path}/run", code=code)
     assert out.returncode == 1 and "Traceback" in out.stderr and "FileNotFoundError" in out.stderr, out.stderr[-3000:]
     assert "rlcli: error:" not in out.stderr
@@ -265,7 +265,7 @@ def test_the_docs_custom_reward_example_runs_as_written_from_a_working_folder(tm
     (tmp_path / module.replace(".", "/")).parent.mkdir(parents=True)
     (tmp_path / code.group(1)).write_text(code.group(2))
     out = rlcli(tmp_path, *args, *SMALL, "steps=1", f"hydra.run.dir={tmp_path}/run",
-                env={"RLCLI_CACHE": str(tmp_path / "cache")}, code="import sys\nfrom rlcli.cli import main\nmain()",
+                env={"RLCLI_CACHE": str(tmp_path / "cache")}, code="import sys\nfrom rlcli.commands.cli import main\nmain()",
                 python_flags=["-P"])
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -5,11 +5,16 @@ from types import SimpleNamespace
 
 import pytest
 
-import rlcli.answers
-import rlcli.eval_metrics
+import rlcli.core.answers
+import rlcli.loop.eval_metrics
 import rlcli.rewards.functions
-from rlcli.answers import MalformedResponse, extract_final_answer, extract_final_answer_or_none, last_boxed
-from rlcli.eval_metrics import (
+from rlcli.core.answers import (
+    MalformedResponse,
+    extract_final_answer,
+    extract_final_answer_or_none,
+    last_boxed,
+)
+from rlcli.loop.eval_metrics import (
     acc_avg_at_k,
     maj_at_k,
     normalize_answer,
@@ -135,8 +140,8 @@ TRICKY = [
 @pytest.mark.parametrize("text,expected", TRICKY)
 def test_maj_at_k_extracts_the_answer_the_reward_verifies(text, expected):
     # One extractor: the reward's (run in the sandbox workers) is the one maj@k votes with.
-    assert rlcli.rewards.functions.extract_final_answer is rlcli.answers.extract_final_answer
-    assert rlcli.eval_metrics.extract_final_answer_or_none is rlcli.answers.extract_final_answer_or_none
+    assert rlcli.rewards.functions.extract_final_answer is rlcli.core.answers.extract_final_answer
+    assert rlcli.loop.eval_metrics.extract_final_answer_or_none is rlcli.core.answers.extract_final_answer_or_none
     assert rlcli.rewards.functions.extract_final_answer(text) == expected
     assert extract_final_answer_or_none(text) == expected
     # summarize() reads answers from responses itself: a correct sample wins maj@1 iff it gave one.
@@ -159,7 +164,7 @@ def test_malformed_response_scores_zero_and_does_not_vote():
 def test_eval_per_prompt_answers_use_the_reward_extractor(monkeypatch):
     import torch
 
-    import rlcli.eval
+    import rlcli.loop.eval
 
     texts = [t for t, _ in TRICKY] + ["\\boxed{" * 100 + "1" + "}" * 100]
     texts += ["pad"] * (-len(texts) % 4)  # k = 4 responses per prompt
@@ -185,7 +190,7 @@ def test_eval_per_prompt_answers_use_the_reward_extractor(monkeypatch):
     rewards.functions = {"math_verify": 1.0}
 
     engine = SimpleNamespace(generate=fake_generate)
-    per_prompt = rlcli.eval.sample_and_verify(engine, examples, eval_cfg, rollout_cfg, rewards)
+    per_prompt = rlcli.loop.eval.sample_and_verify(engine, examples, eval_cfg, rollout_cfg, rewards)
     got = [a for p in per_prompt for a in p["answers"]]
     assert got == [extract_final_answer_or_none(t) for t in texts]
     assert got[: len(TRICKY)] == [rlcli.rewards.functions.extract_final_answer(t) for t, _ in TRICKY]
@@ -250,7 +255,7 @@ def test_summarize_defaults_to_pass_at_k_and_rejects_ragged_groups():
 def test_eval_size_is_a_seeded_random_subset_not_the_first_rows():
     """eval.size=N once took the first N rows, the easy ones in files sorted by difficulty (data=chat_add: 75 % on
     the first 16 against 29 % on all). It draws N at random with eval.subset_seed, the same for every training seed."""
-    from rlcli.eval import eval_subset
+    from rlcli.loop.eval import eval_subset
 
     rows = [{"prompt": str(i), "answer": str(i)} for i in range(100)]
     picked, which = eval_subset(rows, SimpleNamespace(size=16, subset_seed=0))
@@ -264,8 +269,8 @@ def test_eval_size_is_a_seeded_random_subset_not_the_first_rows():
 
 
 def test_no_majority_vote_where_answers_are_none():
-    """Code tasks have no final answer to vote on: rlcli.eval passes answers=None and maj@k is not reported."""
-    from rlcli.eval_metrics import summarize
+    """Code tasks have no final answer to vote on: rlcli.loop.eval passes answers=None and maj@k is not reported."""
+    from rlcli.loop.eval_metrics import summarize
 
     rows = [{"correct": [True, False], "answers": None, "responses": ["a", "b"]}]
     out = summarize(rows)

@@ -31,7 +31,7 @@ def export(tmp_path, *args, env=None):
     """`rlcli export <args>` in tmp_path, not asserting success; `env` values of None are unset. -> the process"""
     environ = {k: v for k, v in {**cli_env(tmp_path), **(env or {})}.items() if v is not None}
     environ.pop("HYDRA_FULL_ERROR", None)
-    return subprocess.run([sys.executable, "-m", "rlcli.cli", "export", *args], cwd=tmp_path, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "rlcli.commands.cli", "export", *args], cwd=tmp_path, capture_output=True,
                           text=True, timeout=300, env=environ)
 
 
@@ -161,7 +161,7 @@ def test_refusals_are_one_line_and_write_nothing(run, tmp_path, case, needle):
 
 
 def test_export_help_names_every_flag():
-    out = subprocess.run([sys.executable, "-m", "rlcli.cli", "export", "--help"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "rlcli.commands.cli", "export", "--help"], capture_output=True, text=True,
                          timeout=60, env={**os.environ})
     assert out.returncode == 0
     for flag in ("--hf-step", "--merge-lora", "--force", "--license", "--push", "--private"):

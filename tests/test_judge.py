@@ -22,10 +22,10 @@ from conftest import FAST, compose, metric_rows, stable
 from test_checkpoint import finish, kill_tree, logged_step, start, wait_for
 from test_reward_rm import rollout
 
-from rlcli import checkpoint as ckpt
+from rlcli.core.schema import ConfigError
+from rlcli.loop import checkpoint as ckpt
 from rlcli.rewards.config import RewardConfig, validate
 from rlcli.rewards.judge import JudgeScorer, JudgeUnavailable, ServerJudge, parse_verdict
-from rlcli.schema import ConfigError
 
 
 # ---------------------------------------------------------------------------------------------- a scripted judge

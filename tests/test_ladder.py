@@ -16,10 +16,10 @@ import pytest
 from conftest import CONF, ROOT, compose
 from omegaconf import OmegaConf
 
-from rlcli import ladder
+from rlcli.commands import ladder
+from rlcli.commands.ladder import LadderDefaults, base_index, build_command, collect, rungs
 from rlcli.config import validate
-from rlcli.ladder import LadderDefaults, base_index, build_command, collect, rungs
-from rlcli.plot import figure, find_runs, group_runs
+from rlcli.loop.plot import figure, find_runs, group_runs
 
 RECIPES = CONF / "recipe"
 IGNORED = ("ladder.", "algo.name")  # rung metadata and run names are not knobs
@@ -198,7 +198,7 @@ def test_build_command_default_seeds_and_override_order(tmp_path):
     names = rungs("dapo", recipes_dir=RECIPES)
     cmd = build_command(names, tmp_path / "out", ["algo.clip_low=0.1"], defaults, python="PY")
     assert cmd == [
-        "PY", "-m", "rlcli.cli", "train", "-m", "recipe=" + ",".join(names), "seed=1,2,3",
+        "PY", "-m", "rlcli.commands.cli", "train", "-m", "recipe=" + ",".join(names), "seed=1,2,3",
         "steps=40", "data.eval_size=64", "algo.clip_low=0.1", f"hydra.sweep.dir={(tmp_path / 'out').resolve()}",
     ]
     assert names[0] == "dapo/00_naive_grpo" and names[-1] == "dapo/05_dynamic_sampling" and len(names) == 6
@@ -272,7 +272,7 @@ def sweep(tmp_path):
     fake_run(root, job, 1, 3, finished=False)  # a crashed run: counted, listed, not averaged
     (root / "multirun.yaml").write_text("hydra: {}\n")
     (root / "ladder.json").write_text(json.dumps({"paper": "dapo", "argv": "rlcli ladder dapo steps=20",
-                                                  "command": "python -m rlcli.cli train -m ...", "wall_seconds": 99.0}))
+                                                  "command": "python -m rlcli.commands.cli train -m ...", "wall_seconds": 99.0}))
     return root
 
 
@@ -349,7 +349,7 @@ def test_plot_arbitrary_runs_with_critic_panels(tmp_path):
     assert [(g.label, len(g.runs)) for g in groups] == [("naive GRPO", 2), ("+ overlong filtering", 1)]
     out = figure(groups, tmp_path / "fig.png")
     assert out.read_bytes()[:8] == PNG_MAGIC
-    res = subprocess.run([sys.executable, "-m", "rlcli.cli", "plot", str(tmp_path), "--out", str(tmp_path / "p.png")],
+    res = subprocess.run([sys.executable, "-m", "rlcli.commands.cli", "plot", str(tmp_path), "--out", str(tmp_path / "p.png")],
                          capture_output=True, text=True, cwd=ROOT)
     assert res.returncode == 0, res.stderr
     assert (tmp_path / "p.png").read_bytes()[:8] == PNG_MAGIC and "3 runs in 2 groups" in res.stdout
@@ -357,7 +357,7 @@ def test_plot_arbitrary_runs_with_critic_panels(tmp_path):
 
 def test_plot_draws_a_panel_for_each_metric_asked_for(tmp_path, monkeypatch):
     """--metrics adds a panel per logged metric (reward/rm beside acc/mean); a metric no run logged is refused."""
-    import rlcli.plot as plot
+    import rlcli.loop.plot as plot
 
     d = fake_run(tmp_path, 0, 0, 1)
     rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
@@ -380,7 +380,7 @@ def test_plot_draws_a_panel_for_each_metric_asked_for(tmp_path, monkeypatch):
 def test_the_held_out_panel_says_how_the_runs_evaluated():
     """The held-out panel's title names greedy or avg@k at a temperature (the GPU curve, sampled avg@4, was titled
     greedy)."""
-    from rlcli.plot import Run, held_out_title
+    from rlcli.loop.plot import Run, held_out_title
 
     greedy, sampled = Run(Path("a"), {"eval": {"temperature": 0.0, "k": 1}}), Run(Path("b"), {"eval": {"temperature": 1.0, "k": 4}})
     assert held_out_title([greedy]) == "held-out accuracy, greedy (eval/acc)"
@@ -425,7 +425,7 @@ def test_a_sweep_folder_is_named_by_the_values_it_sweeps():
 def test_ladder_smoke_two_rungs(tmp_path):
     """P=4 so that ladder.yaml's algo.mini_batches=4 divides it (the run then takes the off-policy path)."""
     out = tmp_path / "ladder"
-    cmd = [sys.executable, "-m", "rlcli.cli", "ladder", "dapo", "--rungs", "0,1", "--out", str(out),
+    cmd = [sys.executable, "-m", "rlcli.commands.cli", "ladder", "dapo", "--rungs", "0,1", "--out", str(out),
            "steps=1", "model.warm_start.enabled=false", "rollout.prompts_per_step=4", "rollout.n=2",
            "data.eval_size=4", "eval.before=false", "save=false", "seed=1"]
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)

@@ -16,10 +16,10 @@ from conftest import FAST, ROOT, compose, metric_rows, rlcli
 from omegaconf import OmegaConf
 from test_checkpoint import finish, kill_tree, logged_step, start, train, wait_for
 
-from rlcli import checkpoint as ckpt
-from rlcli.loggers import mlflow_key
-from rlcli.metrics import MetricsLogger
-from rlcli.schema import ConfigError
+from rlcli.core.loggers import mlflow_key
+from rlcli.core.schema import ConfigError
+from rlcli.loop import checkpoint as ckpt
+from rlcli.loop.metrics import MetricsLogger
 
 pytest.importorskip("tensorboard", reason="pip install 'rlcli[tensorboard]' (the dev and test extras have it)")
 pytest.importorskip("mlflow", reason="pip install 'rlcli[mlflow]' (the dev and test extras have it)")
@@ -228,7 +228,7 @@ def test_a_missing_extra_is_a_one_line_error_naming_it(tmp_path):
         "real = importlib.util.find_spec\n"
         "importlib.util.find_spec = lambda name, *a: None if name.split('.')[0] == 'tensorboard' else real(name, *a)\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(shim), str(ROOT / "tests")])}
-    out = subprocess.run([sys.executable, "-m", "rlcli.cli", "train", "logger=tensorboard", "hydra.run.dir=run"],
+    out = subprocess.run([sys.executable, "-m", "rlcli.commands.cli", "train", "logger=tensorboard", "hydra.run.dir=run"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 2, out.stdout + out.stderr
     lines = [line for line in out.stderr.splitlines() if line.strip()]

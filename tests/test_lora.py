@@ -76,7 +76,7 @@ def test_scoring_runs_in_eval_mode_so_dropout_never_moves_old_log_probs(make_tra
     """With model.lora.dropout=0.1, scoring in train mode gave two different old log-probs for one batch (up to
     0.20 nats per token, issue 21), so the ratio of an untouched mini-batch was not 1. Scoring (old
     log-probs, the carry's recorded ones, the reference) runs in eval mode; only the update trains."""
-    from rlcli.learner import rl_phase
+    from rlcli.loop.learner import rl_phase
 
     t = make_trainer(*LORA, "steps=2", "model.lora.dropout=0.1", "algo.mini_batches=2", "save=false")
     t.train_step(1)  # the adapters move away from B = 0, so their dropout changes the output

@@ -4,7 +4,7 @@ tests/test_train.py::test_the_run_log_holds_what_the_terminal_showed_and_nothing
 
 import logging
 
-from rlcli.metrics import RunLog, headline
+from rlcli.loop.metrics import RunLog, headline
 
 
 def test_the_step_line_shows_kl_lr_throughput_and_memory_and_prints_rounding_noise_as_zero():
@@ -44,8 +44,8 @@ def test_the_run_log_writes_through_hydras_job_log_once_or_its_own(tmp_path):
         root.removeHandler(job_log)
         job_log.close()
     assert (hydra_run / "cli.log").read_text() == ("[rlcli.data] data[train] 20 examples\n"
-                                                    "[rlcli.trainer] step 1  acc=0.250\nsecond line\n")
+                                                    "[rlcli.loop.trainer] step 1  acc=0.250\nsecond line\n")
     say = RunLog(str(own_run))
     say("held-out accuracy after training: 0.500")
     say.close()
-    assert (own_run / "cli.log").read_text().endswith("][rlcli.trainer] held-out accuracy after training: 0.500\n")
+    assert (own_run / "cli.log").read_text().endswith("][rlcli.loop.trainer] held-out accuracy after training: 0.500\n")

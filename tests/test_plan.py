@@ -135,7 +135,7 @@ def test_autocast_keeps_more_than_bf16_and_less_than_fp32_bytes_per_element():
 def test_param_count_equals_the_real_models():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from rlcli.gpu_smoke import QWEN25_05B
+    from rlcli.commands.gpu_smoke import QWEN25_05B
     from rlcli.models.config import TinyModelConfig
     from rlcli.models.tiny import build_tiny_model, load_tiny_tokenizer
 
@@ -302,7 +302,7 @@ def test_step_time_expects_a_mean_response_length_beside_the_worst_case():
     mine = compose("model=qwen2.5-0.5b", "hw=1xgpu", "rollout.expected_response_len=300")
     assert "responses of 300 tokens on average (rollout.expected_response_len=300)" in roofline.render(mine, plan)[0]
     from rlcli.config import validate
-    from rlcli.schema import ConfigError
+    from rlcli.core.schema import ConfigError
 
     with pytest.raises(ConfigError, match="expected_response_len=2000 must be <= rollout.max_new_tokens=1024"):
         validate(compose("model=qwen2.5-0.5b", "hw=1xgpu", "rollout.expected_response_len=2000"))

@@ -9,7 +9,7 @@ def test_bf16_at_zero0_runs_every_forward_in_bf16_over_fp32_weights(make_trainer
     """One GRPO step with a KL reference: generation, scoring (actor and reference) and the update each run the
     models' linear layers in bf16 while their weights stay fp32; the log-probs stay fp32. Dropping any one of the
     autocast contexts leaves that stage's matmuls in fp32 and fails this test."""
-    from rlcli.summary import startup_summary
+    from rlcli.loop.summary import startup_summary
 
     t = make_trainer("hw.precision=bf16", "algo.kl_coef=0.01", "save=false")
     seen: dict[str, set] = {"generate": set(), "score": set(), "update": set()}

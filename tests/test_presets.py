@@ -101,7 +101,7 @@ def test_rollout_correction_weights_the_loss_by_trainer_over_sampler(make_traine
     import copy
 
     from rlcli.algos.functional import aggregate, masked_mean, rollout_correction_weights
-    from rlcli.learner import rl_phase
+    from rlcli.loop.learner import rl_phase
     from rlcli.rollout.hf import HFEngine
 
     t = make_trainer("save=false", "steps=2", "optim.lr=1e-2", "algo.rollout_correction=token", "algo.kl_coef=0")
@@ -133,7 +133,7 @@ def test_off_policy_corrections_weight_or_clip_against_the_lagging_sampler(make_
     import copy
 
     from rlcli.algos.functional import aggregate, behaviour_weights, clipped_policy_loss
-    from rlcli.learner import rl_phase
+    from rlcli.loop.learner import rl_phase
     from rlcli.rollout.hf import HFEngine
 
     cap = ["algo.behav_weight_cap=1.05"] if mode == "decoupled" else []
@@ -168,7 +168,7 @@ def test_a_run_whose_loss_is_never_finite_stops_naming_the_step(make_trainer, mo
     """Every step's loss forced to NaN: each optimizer step is skipped (never applied), and after
     optim.max_skipped_steps steps in a row the run stops with an error that names the step and the last
     step that did update, instead of training on."""
-    from rlcli.state import NonFiniteTraining
+    from rlcli.loop.state import NonFiniteTraining
 
     t = make_trainer("steps=10", "optim.max_skipped_steps=3", "save=false", "checkpoint.every=0")
     micro_loss = t.learner.micro_loss

@@ -1,6 +1,6 @@
 """Every field of the schema is range-checked before anything loads (issue 25 §1).
 
-The test walks the dataclass schema itself, so a new field without a declared range (`rlcli.schema.rng`) or a
+The test walks the dataclass schema itself, so a new field without a declared range (`rlcli.core.schema.rng`) or a
 stated reason why it cannot be wrong fails here. Each declared range is tried with values just outside its
 bounds, zero and negatives where invalid, nan and ±inf, and an unknown choice; `validate` must name the field.
 """
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from omegaconf import OmegaConf, open_dict
 
 from rlcli.config import Config, validate
-from rlcli.schema import ConfigError, check_ranges, nested_schema, range_of
+from rlcli.core.schema import ConfigError, check_ranges, nested_schema, range_of
 
 # Fields with no range: free text (names, paths, addresses) that only the file system, the hub or a later
 # load can judge, and lists of names. The reason is the test's evidence that the field was looked at.
@@ -146,7 +146,7 @@ def with_value(cfg, key, value):
 def test_every_field_has_a_range_or_a_reason():
     """Numbers and choices declare their range; free text says why it cannot be wrong; booleans are typed."""
     missing = [k for k, f in leaves() if range_of(f) is None and not is_bool(f) and k not in FREE]
-    assert not missing, f"fields with neither a declared range (rlcli.schema.rng) nor a reason in FREE: {missing}"
+    assert not missing, f"fields with neither a declared range (rlcli.core.schema.rng) nor a reason in FREE: {missing}"
     stale = [k for k in FREE if k not in dict(leaves()) or range_of(dict(leaves())[k]) is not None]
     assert not stale, f"FREE names fields that are gone or have a range now: {stale}"
 

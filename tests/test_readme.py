@@ -5,7 +5,7 @@ import re
 
 from conftest import ROOT
 
-from rlcli.cli import COMMANDS, _usage
+from rlcli.commands.cli import COMMANDS, _usage
 
 README = (ROOT / "README.md").read_text()
 
@@ -37,7 +37,7 @@ def test_no_process_words_in_the_user_facing_text():
 
 def test_the_resume_may_change_list_is_the_codes():
     """docs/checkpoints.md lists exactly checkpoint.MAY_CHANGE and MAY_CHANGE_GROUPS."""
-    from rlcli.checkpoint import MAY_CHANGE, MAY_CHANGE_GROUPS
+    from rlcli.loop.checkpoint import MAY_CHANGE, MAY_CHANGE_GROUPS
 
     checkpoints = (ROOT / "docs" / "checkpoints.md").read_text()
     section = checkpoints[checkpoints.index("- Keys that may change"):]
@@ -57,7 +57,7 @@ def test_the_group_order_and_the_stages_are_the_codes():
     config = (ROOT / "docs" / "config.md").read_text()
     stated = re.search(r"Group order in `conf/config.yaml` is `([^`]+)`", config).group(1).split(", ")
     assert stated == groups
-    loop = (ROOT / "rlcli" / "trainer.py").read_text()
+    loop = (ROOT / "rlcli" / "loop" / "trainer.py").read_text()
     made = (ROOT / "rlcli" / "rollout" / "remote.py").read_text()  # stages 1-3 time themselves where they run
     timed = re.findall(r'timer\("(\w+)"\)', loop) + re.findall(r'seconds\["(\w+)"\] =', made)
     design = (ROOT / "docs" / "design.md").read_text()

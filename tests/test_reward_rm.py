@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import FAST, compose, metric_rows, rlcli
 
-from rlcli.schema import ConfigError
+from rlcli.core.schema import ConfigError
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 POLICY = [o for o in FAST if "sevens" not in o and o != "~reward.weights.math_verify"]
@@ -131,7 +131,7 @@ def test_normalisation_golden_values(how, clip, want):
 
 # ------------------------------------------------------------------------------ config errors and the plan
 def test_config_errors_name_the_key_before_anything_loads(tmp_path):
-    from rlcli.cli import check_inputs
+    from rlcli.commands.cli import check_inputs
     from rlcli.config import validate
 
     with pytest.raises(ConfigError, match=r"reward\.rm\.path is null: set reward\.rm\.path="):

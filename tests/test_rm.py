@@ -11,7 +11,7 @@ import torch
 from conftest import compose, metric_rows, rlcli, stable
 
 from rlcli.algos.functional import bradley_terry_loss, preference_metrics
-from rlcli.schema import ConfigError
+from rlcli.core.schema import ConfigError
 
 # ------------------------------------------------------------------------------ the loss (pure)
 # -log σ(z) = log(1 + e^-z). The brief's pair set is symmetric under a swap of chosen and rejected, so the second set

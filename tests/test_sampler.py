@@ -8,7 +8,7 @@ that is current now": a constant per policy version, so the test can see which p
 import pytest
 import torch
 
-from rlcli.batch import RolloutBatch
+from rlcli.core.batch import RolloutBatch
 from rlcli.rollout.sampler import DynamicSamplingExhausted, GroupSampler, informative_groups, sampling_metrics
 
 
@@ -116,7 +116,7 @@ def test_micro_batches_pack_rows_by_length_within_both_caps_and_cover_each_row_o
     every row exactly once; trimming leaves less padding than the unsorted split of the same sizes."""
     from types import SimpleNamespace
 
-    from rlcli.learner import Learner
+    from rlcli.loop.learner import Learner
 
     torch.manual_seed(0)
     n, tp, t = 40, 12, 30
@@ -144,7 +144,7 @@ def test_micro_batches_pack_rows_by_length_within_both_caps_and_cover_each_row_o
 def test_split_to_gives_lockstep_ranks_the_same_number_of_micro_batches():
     """ZeRO-3 over ranks: a rank with fewer micro-batches halves its largest ones (every row still once, in
     order), and a rank with fewer rows than micro-batches adds empty ones (dummy forward passes)."""
-    from rlcli.learner import split_to
+    from rlcli.loop.learner import split_to
 
     assert split_to([[0, 1, 2, 3, 4], [5]], 2) == [[0, 1, 2, 3, 4], [5]]
     assert split_to([[0, 1, 2, 3, 4], [5]], 3) == [[0, 1], [2, 3, 4], [5]]

@@ -14,8 +14,15 @@ import yaml
 from conftest import FAST, cli_env, compose, metric_rows, rlcli, stable
 
 from rlcli.config import validate
-from rlcli.schema import ConfigError
-from rlcli.sweep import Objective, check_plugins, objective_value, optuna_overrides, parse_objective, summary
+from rlcli.core.schema import ConfigError
+from rlcli.core.sweep import (
+    Objective,
+    check_plugins,
+    objective_value,
+    optuna_overrides,
+    parse_objective,
+    summary,
+)
 
 pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="pip install 'rlcli[optuna]' (dev and test extras)")
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install 'rlcli[slurm]' (dev and test extras)")
@@ -28,7 +35,7 @@ BASE = [o for o in FAST if not o.startswith(SWEPT)] + ["steps=2", "save=false", 
 def sweep(tmp_path, *args, timeout=600):
     """`rlcli train -m BASE args` with its sweep in tmp_path/sweep -> (completed process, the sweep directory)."""
     out = tmp_path / "sweep"
-    proc = subprocess.run([sys.executable, "-m", "rlcli.cli", "train", "-m", *BASE, *args, f"hydra.sweep.dir={out}"],
+    proc = subprocess.run([sys.executable, "-m", "rlcli.commands.cli", "train", "-m", *BASE, *args, f"hydra.sweep.dir={out}"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=timeout, env=cli_env(tmp_path))
     return proc, out
 
@@ -92,7 +99,7 @@ def test_the_optuna_sweeper_follows_sweep_direction_and_keeps_going_after_a_fail
 
 
 def test_a_missing_plugin_names_its_extra(monkeypatch):
-    from rlcli import sweep as sweep_module
+    from rlcli.core import sweep as sweep_module
 
     check_plugins(["hydra/sweeper=optuna", "hydra/launcher=submitit_local"])  # installed here
     monkeypatch.setitem(sweep_module.PLUGINS, "hydra/sweeper=optuna", ("hydra_no_such_sweeper", "optuna"))
@@ -115,7 +122,7 @@ def test_the_summary_names_the_best_trial_in_its_direction(tmp_path):
 def test_a_typo_is_answered_in_under_a_second_without_the_sweep_libraries(tmp_path):
     """The plugins are discovered at start-up (hydra_plugins), but Optuna, submitit and their dependencies load only
     when a sweep uses them; a typo is answered in well under a second of CPU (wall time varies with the load)."""
-    code = ("import sys, time\nt = time.process_time()\nfrom rlcli.cli import main\n"
+    code = ("import sys, time\nt = time.process_time()\nfrom rlcli.commands.cli import main\n"
             "try:\n    main(['train', 'hydra/sweeper=optuna', 'algo.cliphigh_typo=0.3'])\nexcept SystemExit as e:\n"
             "    code = e.code\nprint('CPU', time.process_time() - t, 'EXIT', code)\n"
             "print('LOADED', [m for m in sys.modules if m.split('.')[0] in "
@@ -171,7 +178,7 @@ def test_a_crash_in_one_job_of_a_basic_sweep_leaves_the_others_running(tmp_path)
     one line, the other job finishes, and the basic sweeper then ends the sweep with exit status 1 and the summary."""
     code = ("import sys, rlcli.config\nreal = rlcli.config.validate\n"
             "def crashes_for_seed_2(cfg):\n    return 1 / 0 if cfg.seed == 2 else real(cfg)\n"
-            "rlcli.config.validate = crashes_for_seed_2\nfrom rlcli.cli import main\nmain(sys.argv[1:])\n")
+            "rlcli.config.validate = crashes_for_seed_2\nfrom rlcli.commands.cli import main\nmain(sys.argv[1:])\n")
     out = tmp_path / "sweep"
     proc = subprocess.run([sys.executable, "-c", code, "train", "-m", *BASE, "optim.lr=1e-3", "rollout.n=4", "seed=1,2",
                            f"hydra.sweep.dir={out}"], cwd=tmp_path, capture_output=True, text=True, timeout=600,
@@ -226,7 +233,7 @@ def test_a_multi_rank_job_in_a_submitit_sweep_reports_its_objective(tmp_path):
 def test_rlcli_ladder_runs_through_the_submitit_launcher(tmp_path):
     out = tmp_path / "ladder"
     t0 = time.perf_counter()
-    cmd = [sys.executable, "-m", "rlcli.cli", "ladder", "dapo", "--rungs", "0,1", "--out", str(out), "steps=1",
+    cmd = [sys.executable, "-m", "rlcli.commands.cli", "ladder", "dapo", "--rungs", "0,1", "--out", str(out), "steps=1",
            "model.warm_start.enabled=false", "rollout.prompts_per_step=4", "rollout.n=2", "data.eval_size=4",
            "eval.before=false", "save=false", "seed=1", "hydra/launcher=submitit_local"]
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600, env=cli_env(tmp_path))

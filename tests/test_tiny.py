@@ -9,16 +9,16 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from rlcli.data.arith import arith_examples
 from rlcli.models.config import CHARS, SPECIAL_TOKENS, TinyModelConfig, WarmStartConfig
-from rlcli.models.tiny import (
-    build_tiny_model,
-    build_tiny_tokenizer,
-    load_tiny_tokenizer,
-)
-from rlcli.sft import (
+from rlcli.models.sft import (
     sft_train,
     task_args,
     warm_start,
     warm_start_key,
+)
+from rlcli.models.tiny import (
+    build_tiny_model,
+    build_tiny_tokenizer,
+    load_tiny_tokenizer,
 )
 
 SMALL = TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
@@ -75,7 +75,7 @@ def test_model_is_seeded_and_generates(tok):
 
 
 def test_sft_targets_are_response_plus_eos(tok):
-    from rlcli.sft import _encode_examples
+    from rlcli.models.sft import _encode_examples
 
     examples = arith_examples("train", 3, seed=0)
     ids, mask, labels = _encode_examples(tok, examples)  # [3, L] each
@@ -95,7 +95,7 @@ def test_sft_lowers_loss(tok):
 
 def test_warm_start_is_cached_and_loadable(tmp_path, tok, caplog):
     ws = WarmStartConfig(steps=2, batch_size=4, eval_size=4, cache_dir=str(tmp_path))
-    with caplog.at_level("INFO", logger="rlcli.sft"):
+    with caplog.at_level("INFO", logger="rlcli.models.sft"):
         path = warm_start(SMALL, ws, progress=False, max_digits=1)
     report = json.loads((Path(path) / "warm_start.json").read_text())
     assert report["train_steps"] == 2 and {"greedy_acc", "sampled_acc"} <= report.keys()
@@ -132,7 +132,7 @@ def test_a_warm_start_with_tool_demonstrations_says_its_accuracy_is_without_the_
     that number (0.205 greedy for the recipe's model) is not the run's held-out accuracy with the environment (0.770
     before training), and the log and warm_start.json say so."""
     ws = WarmStartConfig(steps=1, batch_size=4, eval_size=2, tool_demos=0.5, cache_dir=str(tmp_path))
-    with caplog.at_level("INFO", logger="rlcli.sft"):
+    with caplog.at_level("INFO", logger="rlcli.models.sft"):
         path = warm_start(SMALL, ws, progress=False, max_digits=1)
     assert json.loads((Path(path) / "warm_start.json").read_text())["acc_without_tools"] is True
     assert "on 2 held-out problems answered without the calculator" in caplog.records[-1].getMessage()
@@ -144,7 +144,7 @@ def test_warm_start_rejects_unknown_task_args(tmp_path):
 
 
 def test_warm_start_crash_leaves_no_entry(tmp_path, monkeypatch):
-    import rlcli.sft as sft
+    import rlcli.models.sft as sft
 
     def boom(*args, **kwargs):
         raise RuntimeError("boom")
@@ -157,8 +157,8 @@ def test_warm_start_crash_leaves_no_entry(tmp_path, monkeypatch):
 
 
 def test_warm_start_trains_on_slipped_demonstrations(tmp_path, monkeypatch):
-    import rlcli.sft as sft
-    from rlcli.answers import extract_final_answer
+    import rlcli.models.sft as sft
+    from rlcli.core.answers import extract_final_answer
 
     seen = {}
     real = sft.sft_train

@@ -323,7 +323,7 @@ def test_two_nodes_on_localhost_train_like_cpu_x2(tmp_path, x2_run):
 
     port = free_port()
     nodes = [subprocess.Popen(
-        [sys.executable, "-m", "rlcli.cli", "train", "hw.nnodes=2", f"hw.node_rank={r}", "hw.master_addr=127.0.0.1",
+        [sys.executable, "-m", "rlcli.commands.cli", "train", "hw.nnodes=2", f"hw.node_rank={r}", "hw.master_addr=127.0.0.1",
          f"hw.master_port={port}", f"hydra.run.dir={tmp_path / 'nodes'}", "save=false", *COMMON_X2],
         cwd=tmp_path, env=cli_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
     outs = [p.communicate(timeout=600)[0] for p in nodes]

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from rlcli.data.arith import arith_examples, is_correct
 from rlcli.models.tiny import load_tiny_tokenizer
-from rlcli.sft import greedy_accuracy
+from rlcli.models.sft import greedy_accuracy
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("path", help="a warm-started tiny model directory (rlcli sft output)")

@@ -2,11 +2,11 @@
 
 Registries (one signature per kind, docs/design.md#registries): ADVANTAGES (advantages.py), POLICY_LOSSES
 (losses.py), KL_ESTIMATORS (functional.py, re-exported by kl.py); loss aggregations are the
-AGG_MODES names of `functional.aggregate`. Their names are declared in rlcli/names.py. The `algo` config
-schema is `AlgoConfig` (config.py). Attributes are imported on first use (rlcli.lazy): the schema needs no torch.
+AGG_MODES names of `functional.aggregate`. Their names are declared in rlcli/core/names.py. The `algo` config
+schema is `AlgoConfig` (config.py). Attributes are imported on first use (rlcli.core.lazy): the schema needs no torch.
 """
 
-from rlcli.lazy import exports
+from rlcli.core.lazy import exports
 
 __all__ = [
     "ADVANTAGES", "AGG_MODES", "KL_ESTIMATORS", "NEEDS_VALUES", "POLICY_LOSSES", "AdaptiveKLController",

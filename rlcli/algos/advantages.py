@@ -25,10 +25,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rlcli import names
 from rlcli.algos import functional as F
-from rlcli.names import GROUP_ESTIMATORS, NEEDS_VALUES  # noqa: F401 (re-exported: rlcli.algos)
-from rlcli.registry import Registry
+from rlcli.core import names
+from rlcli.core.names import GROUP_ESTIMATORS, NEEDS_VALUES  # noqa: F401 (re-exported: rlcli.algos)
+from rlcli.core.registry import Registry
 
 
 @dataclass

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from rlcli.names import (
+from rlcli.core.names import (
     ADVANTAGES,
     AGG_MODES,
     KL_ESTIMATORS,
@@ -23,7 +23,7 @@ from rlcli.names import (
     POLICY_LOSSES,
     ROLLOUT_CORRECTION_LEVELS,
 )
-from rlcli.schema import ConfigError, check_ranges, rng
+from rlcli.core.schema import ConfigError, check_ranges, rng
 
 BASELINE_WEIGHTS = ("inv_sqrt_len", "uniform")
 """`weighted_baseline` estimator weights (algo.baseline_weights)."""

@@ -23,9 +23,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from rlcli import names
-from rlcli.names import AGG_MODES, ROLLOUT_CORRECTION_LEVELS
-from rlcli.registry import Registry
+from rlcli.core import names
+from rlcli.core.names import AGG_MODES, ROLLOUT_CORRECTION_LEVELS
+from rlcli.core.registry import Registry
 
 __all__ = [
     "AGG_MODES",

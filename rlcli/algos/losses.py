@@ -16,9 +16,9 @@ from typing import Any
 
 from torch import Tensor
 
-from rlcli import names
 from rlcli.algos import functional as F
-from rlcli.registry import Registry
+from rlcli.core import names
+from rlcli.core.registry import Registry
 
 POLICY_LOSSES = Registry(names.POLICY_LOSSES)
 AGG_MODES = F.AGG_MODES

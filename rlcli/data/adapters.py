@@ -15,9 +15,9 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from rlcli.answers import last_boxed
+from rlcli.core.answers import last_boxed
+from rlcli.core.registry import Registry
 from rlcli.data.templates import Prompt, last_user_index, unwrap
-from rlcli.registry import Registry
 
 ADAPTERS = Registry("data adapter")
 """name -> adapter(row, data_cfg) -> (prompt, answer)."""

@@ -24,7 +24,7 @@ import hashlib
 import random
 import re
 
-from rlcli.answers import extract_final_answer_or_none
+from rlcli.core.answers import extract_final_answer_or_none
 
 SPLITS = ("train", "eval")
 OPS = ("+", "-")
@@ -148,6 +148,6 @@ def arith_examples(
 
 
 def is_correct(response: str, answer: str) -> bool:
-    """Exact match of the final answer, read by the reward's extractor (rlcli.answers), with the
+    """Exact match of the final answer, read by the reward's extractor (rlcli.core.answers), with the
     ground truth: a cheap stand-in for math-verify on this task."""
     return extract_final_answer_or_none(response) == answer

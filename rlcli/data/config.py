@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from rlcli.core.schema import ConfigError, check_ranges, rng
 from rlcli.data.adapters import ADAPTERS
-from rlcli.schema import ConfigError, check_ranges, rng
 
 SOURCES = ("arith", "file")
 CHAT_MODES = ("auto", "always", "never")

@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from rlcli.core.schema import ConfigError
 from rlcli.data.adapters import ADAPTERS, BadRow
 from rlcli.data.templates import Prompt, render_prompt, use_chat_template
-from rlcli.schema import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -44,7 +44,7 @@ PLACEHOLDER = "{question}"
 def check_template(template: str) -> None:
     """Raise a config error unless `template` is a TEMPLATES name or a text with `{question}`."""
     if template not in TEMPLATES and PLACEHOLDER not in template:
-        from rlcli.schema import ConfigError
+        from rlcli.core.schema import ConfigError
 
         raise ConfigError(
             f"data.template={template!r} is neither a named template ({', '.join(sorted(TEMPLATES))}) "

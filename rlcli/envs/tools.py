@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rlcli.registry import import_dotted
+from rlcli.core.registry import import_dotted
 
 
 def tool(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -1,8 +1,8 @@
 """Models: loading policies and tokenizers and the log-prob pass (policy.py), the embedded tiny model
 (tiny.py), the value model (value.py), and their config schemas (config.py, torch-free). Attributes are
-imported on first use (rlcli.lazy), so the schemas load without torch."""
+imported on first use (rlcli.core.lazy), so the schemas load without torch."""
 
-from rlcli.lazy import exports
+from rlcli.core.lazy import exports
 
 __all__ = ["DTYPES", "as_objects", "autocast", "eval_mode", "joint_inputs", "load_policy", "load_tokenizer",
            "logits_chunk_for", "resolve_model_path", "response_log_softmax", "response_logprobs", "response_outputs",

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from rlcli.core.schema import ConfigError
 from rlcli.models.config import TOKENIZER_DIR
-from rlcli.schema import ConfigError
 
 
 def tokenizer_source(model_cfg: Any) -> str:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlcli.schema import ConfigError, check_ranges, rng
+from rlcli.core.schema import ConfigError, check_ranges, rng
 
 TOKENIZER_DIR = Path(__file__).parent / "tokenizer"
 """The tiny model's character tokenizer, shipped in the package (rlcli/models/tiny.py builds the same)."""
@@ -44,7 +44,7 @@ class TinyModelConfig:
 
 @dataclass
 class WarmStartConfig:
-    """Supervised warm-start of the tiny model before RL (cached; see rlcli/sft.py)."""
+    """Supervised warm-start of the tiny model before RL (cached; see rlcli/models/sft.py)."""
 
     enabled: bool = True
     """Train before RL; if false the cached 'checkpoint' is the random initialisation."""

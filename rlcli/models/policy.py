@@ -51,7 +51,7 @@ def resolve_model_path(model_cfg: Any, data_cfg: Any) -> tuple[str, str]:
         from rlcli.models.gguf import converted
 
         return converted(model_cfg.gguf_file), f"converted from {model_cfg.gguf_file} (cached)"
-    from rlcli.sft import warm_start
+    from rlcli.models.sft import warm_start
 
     tiny, ws = as_objects(model_cfg.tiny, model_cfg.warm_start)
     path = warm_start(tiny, ws, **warm_start_data(data_cfg))

@@ -25,7 +25,7 @@ from rlcli.rewards.config import MODEL_PART
 ROLLOUT = "rollout"  # the table row of generation memory (HF KV cache, or the vLLM engine)
 
 
-# Measured: peak RSS of `python -c "import rlcli.trainer, rlcli.cli"` (python, torch, transformers, DeepSpeed,
+# Measured: peak RSS of `python -c "import rlcli.loop.trainer, rlcli.commands.cli"` (python, torch, transformers, DeepSpeed,
 # hydra), 0.34 GiB on 2026-11-23 with torch 2.13.0 CPU (docs/memory.md, "Runtime baseline"). Counted on CPU,
 # where the device memory is the process's RAM; on a GPU the process's host memory is not device memory.
 CPU_RUNTIME_GIB = 0.34
@@ -87,8 +87,8 @@ def auto_budget(cfg: Any, prompt: tuple[int, str]) -> Plan:
 
 def _estimate(cfg: Any, prompt: tuple[int, str], budget: int | None, budget_note: str) -> Plan:
     from rlcli.config import mixed_precision, units
-    from rlcli.names import NEEDS_VALUES
-    from rlcli.topology import trainer_ranks
+    from rlcli.core.names import NEEDS_VALUES
+    from rlcli.core.topology import trainer_ranks
 
     hw, m, r, a = cfg.hw, cfg.model, cfg.rollout, cfg.algo
     arch = arch_of(m)

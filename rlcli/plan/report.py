@@ -78,7 +78,7 @@ def check_fits(cfg: Any) -> Plan | None:
     plan = fix_budget(cfg, measure_prompts(cfg))
     if cfg.hw.check_memory and plan.fits is False:
         print(render(cfg, plan) + "\n", file=sys.stderr, flush=True)  # the breakdown and the fixes, then the error
-        from rlcli.schema import ConfigError
+        from rlcli.core.schema import ConfigError
 
         if plan.blockers:
             raise ConfigError("the rollout engine cannot run as configured: " + "; ".join(plan.blockers)
@@ -133,7 +133,7 @@ def main(argv: list[str]) -> int:
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         cfg = compose("config", overrides=argv)
-    validate(cfg)  # a ConfigError: rlcli's one-line error, exit status 2 (rlcli.cli.main)
+    validate(cfg)  # a ConfigError: rlcli's one-line error, exit status 2 (rlcli.commands.cli.main)
     plan = estimate(cfg)
     print(render(cfg, plan))
     return 0 if plan.fits is not False else 1

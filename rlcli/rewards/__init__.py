@@ -17,7 +17,7 @@ the reward functions) and must stay small and quick to start. torch is imported 
 tensors are built, and a model part's module only when it is used.
 """
 
-from rlcli.lazy import exports
+from rlcli.core.lazy import exports
 
 __all__ = ["COUNTS", "MODEL_PARTS", "REWARDS", "RewardConfig", "RewardManager", "RewardOutput", "SandboxPool", "TaskResult",
            "extract_final_answer", "group_base", "store_group_schema", "validate"]

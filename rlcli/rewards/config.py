@@ -26,10 +26,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlcli.answers import ANSWER_FORMATS
+from rlcli.core.answers import ANSWER_FORMATS
+from rlcli.core.schema import ConfigError, check_ranges, rng
 from rlcli.rewards.code import COUNTS
 from rlcli.rewards.functions import REWARDS
-from rlcli.schema import ConfigError, check_ranges, rng
 
 # Metric names the manager emits besides "reward/<part>"; a part may not take one of them, nor
 # the trainer's reward/mean and reward/std (docs/metrics.md).
@@ -176,7 +176,7 @@ class RewardConfig:
     memory_mb: int = rng(2048, ge=256, why="a worker needs ~100 MiB to import math-verify")
     """Address-space cap per worker process (RLIMIT_AS), in MiB."""
     answer_format: str = rng("boxed", choices=ANSWER_FORMATS)
-    """How responses state their final answer (rlcli/answers.py): boxed (a \\boxed{} or an `Answer:` line, else
+    """How responses state their final answer (rlcli/core/answers.py): boxed (a \\boxed{} or an `Answer:` line, else
     none) | last_number (also the last number of a reply, for tasks that ask for the number alone). Data presets
     set it; evaluation's maj@k reads answers the same way."""
     max_response_chars: int = rng(100_000, ge=1)
@@ -347,8 +347,8 @@ def check_reward_model(cfg: Any, prefix: str = "reward") -> None:
 def check_importable(cfg: Any, prefix: str = "reward") -> None:
     """`rlcli train` and `rlcli eval`, before anything loads: every reward.custom function imports here and is
     callable, so a typo fails in a second rather than in the reward workers after the model loaded. The workers
-    import it from the same sys.path (rlcli/rewards/pool.py), which holds the working folder (rlcli.cli)."""
-    from rlcli.registry import import_dotted
+    import it from the same sys.path (rlcli/rewards/pool.py), which holds the working folder (rlcli.commands.cli)."""
+    from rlcli.core.registry import import_dotted
 
     for name, path in dict(cfg.custom).items():
         try:

@@ -7,8 +7,8 @@ is a top-level function (the worker imports it by name) and is registered in :da
 function ignores the ones it does not use. User functions (``reward.custom``) take no options.
 
 Final-answer extraction (shared by ``math_verify`` and ``format``) is
-:func:`rlcli.answers.extract_final_answer`, the one extractor that evaluation's maj@k and the arith
-task use too (its rules are in rlcli/answers.py): the later of the last box and the last ``Answer:``
+:func:`rlcli.core.answers.extract_final_answer`, the one extractor that evaluation's maj@k and the arith
+task use too (its rules are in rlcli/core/answers.py): the later of the last box and the last ``Answer:``
 line; an unclosed last box is no answer; a response without either form has no answer and scores 0,
 even if a bare number appears in it.
 
@@ -29,9 +29,9 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from rlcli.answers import MAX_BRACE_DEPTH as MAX_BRACE_DEPTH  # re-exported, see the docstring
-from rlcli.answers import MalformedResponse, extract_final_answer
-from rlcli.registry import Registry, import_dotted
+from rlcli.core.answers import MAX_BRACE_DEPTH as MAX_BRACE_DEPTH  # re-exported, see the docstring
+from rlcli.core.answers import MalformedResponse, extract_final_answer
+from rlcli.core.registry import Registry, import_dotted
 from rlcli.rewards import code
 
 REWARDS = Registry("reward function")
@@ -94,7 +94,7 @@ def math_verify_reward(response: str, ground_truth: str, *, answer_format: str =
 @REWARDS.register("format")
 def format_reward(response: str, ground_truth: str, *, answer_format: str = "boxed", **options: Any) -> float:
     """1 if the response ends with a usable final answer (a closed, non-empty last box or a non-empty
-    last ``Answer:`` line, whichever comes later: :func:`rlcli.answers.extract_final_answer`), else 0."""
+    last ``Answer:`` line, whichever comes later: :func:`rlcli.core.answers.extract_final_answer`), else 0."""
     return 1.0 if extract_final_answer(response, answer_format) is not None else 0.0
 
 

@@ -12,7 +12,7 @@ Two backends, one interface `ask(list of rubric texts) -> list of reply texts | 
 
 Every reply is cached, keyed by the SHA-256 of the request (the judge's identity, the messages, the sampling
 parameters: never the URL or the key), in run_dir/judge_cache/rank_<r>.jsonl, appended as answers arrive; a
-checkpoint carries a copy (rlcli.checkpoint.CARRIED) and a run resumed from it into another run directory starts
+checkpoint carries a copy (rlcli.loop.checkpoint.CARRIED) and a run resumed from it into another run directory starts
 with it, so no resumed run re-asks what it already has. Failures are not cached.
 
 A request nobody answers (after reward.judge.retries) fails the step with JudgeUnavailable, a one-line error
@@ -34,11 +34,11 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from rlcli.core.schema import ConfigError
 from rlcli.rewards.config import RUBRICS
-from rlcli.schema import ConfigError
 
 CACHE_DIR = "judge_cache"
-"""The run-directory folder of the judge's replies (one JSONL file per rank); rlcli.checkpoint carries it."""
+"""The run-directory folder of the judge's replies (one JSONL file per rank); rlcli.loop.checkpoint carries it."""
 
 _SCORE = re.compile(r"score\W{0,3}?(-?\d+(?:\.\d+)?)", re.IGNORECASE)
 _YES_NO = re.compile(r"\b(yes|no)\b", re.IGNORECASE)

@@ -34,8 +34,8 @@ import torch
 from torch import Tensor
 
 from rlcli.config import inference_dtype, reward_model_partitioned
+from rlcli.core.schema import ConfigError
 from rlcli.rm.model import score
-from rlcli.schema import ConfigError
 
 EPS = 1e-6
 

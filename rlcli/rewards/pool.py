@@ -46,7 +46,7 @@ from multiprocessing import Pipe
 from multiprocessing.connection import Connection, wait
 from typing import Any, Literal, NamedTuple
 
-from rlcli.registry import import_dotted
+from rlcli.core.registry import import_dotted
 from rlcli.rewards.functions import describe_args
 
 _BOOTSTRAP = (

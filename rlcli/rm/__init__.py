@@ -9,7 +9,7 @@
 The loss is a pure function beside the other objectives: rlcli.algos.functional.bradley_terry_loss.
 """
 
-from rlcli.lazy import exports
+from rlcli.core.lazy import exports
 
 __all__ = ["load_reward_model", "score"]
 __getattr__ = exports(__name__, dict.fromkeys(__all__, "model"))

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from rlcli.core.schema import ConfigError, check_ranges, rng
 from rlcli.data.config import CHAT_MODES
-from rlcli.schema import ConfigError, check_ranges, rng
 
 SOURCES = ("arith", "samples", "file")
 
@@ -79,7 +79,7 @@ class RMConfig:
 def validate(cfg: Any) -> None:
     """The `rm` group's fields and the rules that relate them to the rest of an `rlcli rm` config; raise ConfigError
     naming the key and the fix. Nothing is loaded before this passes."""
-    from rlcli.topology import asynchronous, trainer_ranks
+    from rlcli.core.topology import asynchronous, trainer_ranks
 
     rm = cfg.rm
     check_ranges(rm, RMConfig, "rm.")

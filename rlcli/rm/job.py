@@ -1,5 +1,5 @@
-"""The `rlcli rm` Hydra job (rlcli.cli JOBS): validate, check the inputs, resolve `resume`, plan the memory, freeze,
-train here (one rank) or launch `hw.nproc` torchrun workers (rlcli.worker) as `rlcli train` does. Everything before
+"""The `rlcli rm` Hydra job (rlcli.commands.cli JOBS): validate, check the inputs, resolve `resume`, plan the memory, freeze,
+train here (one rank) or launch `hw.nproc` torchrun workers (rlcli.commands.worker) as `rlcli train` does. Everything before
 the training is torch-free and answers in about a second."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from typing import Any
 def rm_job(cfg: Any) -> dict[str, Any]:
     from omegaconf import open_dict
 
-    from rlcli import checkpoint
+    from rlcli.commands.launch import freeze, run_dir
     from rlcli.config import validate
-    from rlcli.launch import freeze, run_dir
-    from rlcli.metrics import RunLog
+    from rlcli.loop import checkpoint
+    from rlcli.loop.metrics import RunLog
     from rlcli.models.config import check_model_path
     from rlcli.rm.config import validate as validate_rm
     from rlcli.rm.pairs import check_pairs
@@ -46,7 +46,7 @@ def rm_job(cfg: Any) -> dict[str, Any]:
 def _launch(cfg: Any, frozen: str) -> None:
     """Several ranks: what one rank would do alone (the warm start, a conversion, rm.source=samples' sampling)
     happens here, before the workers start, which then read the caches; then `hw.nproc` torchrun workers train."""
-    from rlcli.launch import launch
+    from rlcli.commands.launch import launch
     from rlcli.models import resolve_model_path
 
     model_path = resolve_model_path(cfg.model, cfg.data)[0]

@@ -5,7 +5,7 @@ Three sources (`rm.source`):
   arith  the embedded task (rlcli/data/arith.py): each problem's correct worked solution is `chosen`; `rejected`
          is the same problem worked with a carry slip and computed on from it, so its \\boxed{} answer is wrong:
          a forgotten carry or borrow (the slip the tiny policy's warm start demonstrates and RL must unlearn:
-         rlcli/sft.py's carry_slip), for half the problems that have one, or a carry taken where none is due
+         rlcli/models/sft.py's carry_slip), for half the problems that have one, or a carry taken where none is due
          (the opposite slip, so that "more +1 is better" is no shortcut). The problems split as the task's do (a
          hash of the problem text), so no held-out pair's problem is ever trained on.
   samples  the policy's own samples on the run's task graded by the verifier: a correct and an incorrect reply to the
@@ -29,10 +29,10 @@ import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from rlcli.core.schema import ConfigError
 from rlcli.data.adapters import ABSENT, BadRow, get_path, take_prompt
 from rlcli.data.loaders import CHECK_ROWS, LoadReport, hold_out, keyed_rows, resolve_path, usable_rows
 from rlcli.data.templates import Prompt, last_user_index, render_prompt, use_chat_template
-from rlcli.schema import ConfigError
 
 Pair = dict[str, Any]
 """{"prompt": str, "chosen": str, "rejected": str, "margin": float}: rendered texts."""

@@ -21,7 +21,7 @@ from rlcli.plan.states import GIB, activation_element_bytes, model_states, state
 
 def micro_rows(cfg: Any) -> int:
     """Sequences per forward/backward: hw.micro_batch, rounded down to whole pairs (at least one pair)."""
-    from rlcli.topology import trainer_ranks
+    from rlcli.core.topology import trainer_ranks
 
     per_rank = cfg.rm.batch_size // trainer_ranks(cfg)
     return 2 * max(1, min(cfg.hw.micro_batch // 2, per_rank))
@@ -30,7 +30,7 @@ def micro_rows(cfg: Any) -> int:
 def estimate(cfg: Any, longest: tuple[int, str] | None = None) -> Plan:
     """The per-device plan; `longest`: the longest pair side in tokens and where that number comes from (None =
     rm.max_len, a bound)."""
-    from rlcli.topology import trainer_ranks
+    from rlcli.core.topology import trainer_ranks
 
     hw, m = cfg.hw, cfg.model
     arch = arch_of(m)
@@ -110,7 +110,7 @@ def measure_pairs(cfg: Any) -> tuple[int, str]:
 def check_fits(cfg: Any) -> Plan:
     """`rlcli rm`'s check before any weights load, on the pairs' measured lengths: refuse a run whose estimate
     exceeds the device (unless hw.check_memory=false), with the knobs that lower it."""
-    from rlcli.schema import ConfigError
+    from rlcli.core.schema import ConfigError
 
     plan = estimate(cfg, measure_pairs(cfg))
     if cfg.hw.check_memory and plan.fits is False:

@@ -100,10 +100,10 @@ def sample_pairs(cfg: Any, model_path: str) -> tuple[Path, dict[str, Any]]:
     from rlcli.data.templates import use_chat_template
     from rlcli.models import load_tokenizer
     from rlcli.models.policy import DTYPES
+    from rlcli.models.sft import publish
     from rlcli.rewards import RewardConfig, RewardManager
     from rlcli.rewards.model import end_of_turn
     from rlcli.rollout.hf import generate
-    from rlcli.sft import publish
 
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or model_path, cfg.model.trust_remote_code)
     prompts = {split: _prompts(cfg, split, tokenizer) for split in SPLITS}

@@ -4,7 +4,7 @@
             ZeRO 0-3, bf16, LoRA as for the policy), the pairs (rlcli.rm.pairs), a resumed checkpoint
     train   per step: rm.batch_size pairs, each micro-batch one forward of its chosen and rejected sequences,
             bradley_terry_loss normalised over the whole batch, one optimizer step; held-out pair accuracy before,
-            every rm.eval_every steps, and after; checkpoints (rlcli.checkpoint) every checkpoint.every steps and on
+            every rm.eval_every steps, and after; checkpoints (rlcli.loop.checkpoint) every checkpoint.every steps and on
             SIGTERM/SIGINT
     save    run_dir/reward_model (AutoModelForSequenceClassification.from_pretrained loads it), result.json
 """
@@ -20,17 +20,17 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from rlcli import checkpoint as ckpt
 from rlcli import engine as eng
 from rlcli.algos.functional import bradley_terry_loss, preference_metrics
 from rlcli.config import trained_model
 from rlcli.data import PromptStream
 from rlcli.engine.collectives import all_reduce, barrier, rank_zero_first
-from rlcli.metrics import MetricsLogger, RunLog, _fixed, _significant, memory_metrics
+from rlcli.loop import checkpoint as ckpt
+from rlcli.loop.metrics import MetricsLogger, RunLog, _fixed, _significant, memory_metrics
+from rlcli.loop.state import NonFiniteTraining, rng_state, seed_everything, set_rng_state
 from rlcli.models import autocast, resolve_model_path
 from rlcli.rm.model import encode, load_reward_model, rewards, score
 from rlcli.rm.pairs import Pair, load_pairs
-from rlcli.state import NonFiniteTraining, rng_state, seed_everything, set_rng_state
 
 TAG = "reward_model"
 """The engine's DeepSpeed checkpoint tag, and the final model's directory under run_dir."""
@@ -215,7 +215,7 @@ class RewardModelTrainer:
 
     def save_checkpoint(self) -> str:
         """The engine (weights, optimizer moments, LR schedule), every rank's Progress, the metrics so far, the
-        frozen config (layout: rlcli.checkpoint). All ranks call it."""
+        frozen config (layout: rlcli.loop.checkpoint). All ranks call it."""
         cfg, step, t0 = self.cfg, self.state.step, time.perf_counter()
         tmp = ckpt.staging(cfg.run_dir, step, self.rank, barrier)
         self.engine.save(tmp, TAG)
@@ -285,7 +285,7 @@ class RewardModelTrainer:
         return "\n".join(lines)
 
     def end_summary(self, steps: int) -> str:
-        from rlcli.trainer import duration
+        from rlcli.loop.trainer import duration
 
         run, r = self.cfg.run_dir, self.state.result
         lines = [f"done: {steps} steps, {duration(time.perf_counter() - self.started)} from loading the model to the "

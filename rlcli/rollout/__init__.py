@@ -24,7 +24,7 @@ sampling, with_logprobs)`: token ids in, token ids (and log-probs) out.
 The loop never knows which engine it has.
 """
 
-from rlcli.lazy import exports
+from rlcli.core.lazy import exports
 
 __all__ = ["ROLLOUT_ENGINES", "Sampling", "build_engine"]
 __getattr__ = exports(__name__, {"ROLLOUT_ENGINES": "engines", "build_engine": "engines", "Sampling": "sampling"})

@@ -3,8 +3,8 @@
 
 from typing import Any
 
-from rlcli import names
-from rlcli.registry import Registry
+from rlcli.core import names
+from rlcli.core.registry import Registry
 from rlcli.rollout.hf import HFEngine
 from rlcli.rollout.vllm import VLLMEngine
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rlcli.batch import RolloutBatch
+from rlcli.core.batch import RolloutBatch
 from rlcli.models import autocast, eval_mode
 from rlcli.rollout.sampling import Sampling
 

@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
-from rlcli.batch import RolloutBatch
+from rlcli.core.batch import RolloutBatch
+from rlcli.core.registry import import_dotted
 from rlcli.envs.chat import ChatFormat, Message
 from rlcli.envs.env import Environment, Toolbox, ToolEnv
-from rlcli.registry import import_dotted
 from rlcli.rollout.hf import left_padded
 from rlcli.rollout.sampling import Sampling
 

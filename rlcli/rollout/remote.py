@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rlcli.batch import RolloutBatch
+from rlcli.core.batch import RolloutBatch
 from rlcli.rollout.sampling import Sampling
 from rlcli.rollout.shaping import shape
 
@@ -138,7 +138,7 @@ class Placement:
 
 def placement(cfg: Any) -> Placement | None:
     """This process's place in an asynchronous job (from torchrun's RANK), or None when rollout is synchronous."""
-    from rlcli.topology import asynchronous, trainer_ranks, world_size
+    from rlcli.core.topology import asynchronous, trainer_ranks, world_size
 
     if not asynchronous(cfg):
         return None
@@ -252,8 +252,8 @@ class RemoteRollout:
     """Training ranks: batches from this rank's rollout rank, at most `window` requests ahead."""
 
     def __init__(self, cfg: Any, channel: Channel, place: Placement, module: torch.nn.Module):
+        from rlcli.core.topology import staleness
         from rlcli.models import DTYPES
-        from rlcli.topology import staleness
 
         s = staleness(cfg)
         self.window = s - 1 if cfg.algo.dynamic_sampling else s  # a carried group ages one more step

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from rlcli.batch import RolloutBatch
+from rlcli.core.batch import RolloutBatch
 from rlcli.engine.collectives import agree_min, all_reduce, global_stats
 
 

@@ -14,8 +14,8 @@ from typing import Any
 from torch import Tensor
 
 from rlcli.algos.functional import soft_overlong_penalty
-from rlcli.batch import RolloutBatch
-from rlcli.registry import Registry
+from rlcli.core.batch import RolloutBatch
+from rlcli.core.registry import Registry
 
 SHAPERS = Registry("reward shaper")
 

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from rlcli.cli import main
+from rlcli.commands.cli import main
 
 STEP = int(sys.argv[1])
 save = torch.save

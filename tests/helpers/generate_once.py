@@ -11,8 +11,8 @@ import torch
 
 from rlcli.config import load_frozen
 from rlcli.engine.collectives import gather_objects
+from rlcli.loop.trainer import Trainer
 from rlcli.rollout import Sampling
-from rlcli.trainer import Trainer
 
 
 def main() -> None:

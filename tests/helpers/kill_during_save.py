@@ -6,7 +6,7 @@ import signal
 import sys
 
 from rlcli import engine
-from rlcli.cli import main
+from rlcli.commands.cli import main
 
 STEP = int(sys.argv[1])
 save = engine.Engine.save

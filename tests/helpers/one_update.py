@@ -10,11 +10,11 @@ import sys
 import torch
 
 from rlcli.config import load_frozen
-from rlcli.learner import rl_phase
+from rlcli.loop.learner import rl_phase
+from rlcli.loop.trainer import Trainer
 from rlcli.rollout import Sampling
 from rlcli.rollout.sampler import sampling_metrics
 from rlcli.rollout.shaping import shape
-from rlcli.trainer import Trainer
 
 
 def main() -> None:

@@ -20,12 +20,12 @@ import deepspeed  # noqa: F401  (the runtime, imported before the baseline: torc
 import psutil
 from transformers import LlamaForCausalLM  # noqa: F401  the modules rlcli imports on first use, which would
 
+import rlcli.loop.trainer  # noqa: F401
+import rlcli.models.sft  # noqa: F401
 import rlcli.models.tiny  # noqa: F401  otherwise count as the job's memory)
 import rlcli.models.value  # noqa: F401
-import rlcli.sft  # noqa: F401
-import rlcli.trainer  # noqa: F401
+from rlcli.commands.launch import offline_environment
 from rlcli.config import CONF_DIR, register_configs, validate
-from rlcli.launch import offline_environment
 from rlcli.plan.budget import fix_budget
 from rlcli.plan.inputs import measure_prompts
 from rlcli.plan.states import GIB
@@ -34,7 +34,7 @@ from rlcli.plan.states import GIB
 def main() -> None:
     from hydra import compose, initialize_config_dir
 
-    from rlcli.trainer import Trainer
+    from rlcli.loop.trainer import Trainer
 
     steps, overrides = int(sys.argv[1]), sys.argv[2:]
     offline_environment()

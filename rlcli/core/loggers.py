@@ -1,7 +1,7 @@
 """Logger backends: where metrics go besides run_dir/metrics.jsonl (always written) and the terminal.
 
 One class per backend, registered by name; `logger.<name>=true` turns one on (`logger=tensorboard`), the
-list group `logger=[wandb,tensorboard,mlflow]` several. MetricsLogger (rlcli.metrics) writes metrics.jsonl
+list group `logger=[wandb,tensorboard,mlflow]` several. MetricsLogger (rlcli.loop.metrics) writes metrics.jsonl
 and hands each backend that is on:
 
 - every row of metrics.jsonl at its step (`log`);
@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from rlcli.schema import ConfigError
+from rlcli.core.schema import ConfigError
 
 
 @dataclass
@@ -124,7 +124,7 @@ def replay(sink: Backend, rows: list[dict[str, float]]) -> None:
 
 def flat_config(config: dict[str, Any]) -> dict[str, Any]:
     """{"algo.clip_high": 0.28, ...}: scalars as they are, null as "null", lists and dicts as JSON text."""
-    from rlcli.schema import flatten
+    from rlcli.core.schema import flatten
 
     return {k: "null" if v is None else v if isinstance(v, bool | int | float | str) else json.dumps(v)
             for k, v in flatten(config).items()}

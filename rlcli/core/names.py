@@ -9,7 +9,7 @@ Adding an estimator = its decorated function + its name below.
 
 from __future__ import annotations
 
-from rlcli.schema import ConfigError
+from rlcli.core.schema import ConfigError
 
 
 class Names(tuple):

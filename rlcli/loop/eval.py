@@ -12,8 +12,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from rlcli.answers import extract_final_answer_or_none
-from rlcli.eval_metrics import summarize
+from rlcli.core.answers import extract_final_answer_or_none
+from rlcli.loop.eval_metrics import summarize
 from rlcli.rollout import Sampling, build_engine
 
 
@@ -79,7 +79,7 @@ def run_eval(cfg: Any) -> dict[str, float]:
     from rlcli.rewards import RewardManager
 
     if cfg.rollout.tensor_parallel_size > 1:
-        from rlcli.schema import ConfigError
+        from rlcli.core.schema import ConfigError
 
         raise ConfigError(f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size} shards an engine over the "
                           "ranks of a training job; rlcli eval is one process: add rollout.tensor_parallel_size=1")

@@ -9,10 +9,10 @@ from typing import Any
 
 
 def main() -> None:
-    from rlcli.checkpoint import stop_on_disk_full
+    from rlcli.commands.launch import offline_environment
     from rlcli.config import load_frozen
-    from rlcli.launch import offline_environment
-    from rlcli.schema import ConfigError
+    from rlcli.core.schema import ConfigError
+    from rlcli.loop.checkpoint import stop_on_disk_full
 
     offline_environment()
     _log_like_the_launcher()
@@ -26,8 +26,8 @@ def main() -> None:
 
 
 def train(cfg: Any) -> None:
+    from rlcli.loop.trainer import Trainer
     from rlcli.rollout.remote import join, placement, serve
-    from rlcli.trainer import Trainer
 
     place = placement(cfg)
     channel = join(cfg, place) if place is not None else None  # asynchronous rollout: the rollout ranks' channel
@@ -43,7 +43,7 @@ def rm(cfg: Any) -> None:
 
 
 WORKERS: dict[str, Callable[[Any], None]] = {"train": train, "rm": rm}
-"""A job's name (rlcli.launch.launch's `job`) -> what one of its ranks runs."""
+"""A job's name (rlcli.commands.launch.launch's `job`) -> what one of its ranks runs."""
 
 
 def _log_like_the_launcher() -> None:

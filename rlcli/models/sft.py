@@ -10,7 +10,7 @@ keyed by every config value that shapes it, so each RL run after the first start
 The default, measured 2026-11-22 on 2 idle threads (200 held-out problems): 2-digit additions
 (`data.min_digits=data.max_digits=2`), `carry_slip` 0.6, 200 steps of 32 at lr 1e-3 (cosine, warmup
 10) reach 47.5% greedy / 46% sampled in 65 s. Reproduce with `rlcli sft` (or
-`python -m rlcli.sft --min-digits 2 --max-digits 2 --carry-slip 0.6`).
+`python -m rlcli.models.sft --min-digits 2 --max-digits 2 --carry-slip 0.6`).
 
 `carry_slip` makes the demonstrations imperfect: each carry a solution should take is forgotten
 with that probability, and the solution is computed on from the slip, so the box matches the
@@ -23,7 +23,7 @@ until RL raises the carry above 50%. docs/experiments/2026-11-22-default-task.md
 
 Earlier calibration on 1-3-digit additions with exact demonstrations (`carry_slip=0`), seed 0, 2
 threads of the 2-core machine shared with other jobs (load 3-6, so wall times are 2-4x the idle
-ones). Reproduce with `python -m rlcli.sft --min-digits 1 --max-digits 3 --carry-slip 0 --steps S
+ones). Reproduce with `python -m rlcli.models.sft --min-digits 1 --max-digits 3 --carry-slip 0 --steps S
 --batch-size B --lr LR`.
 
     steps x batch   lr     greedy  sampled(T=1)  greedy by digits 1/2/3   train s (contended)

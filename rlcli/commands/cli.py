@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rlcli.launch import freeze, launch, offline_environment, run_dir
+from rlcli.commands.launch import freeze, launch, offline_environment, run_dir
 
 COMMANDS = {
     "train": "RL training: rollout -> reward -> shaping -> scoring -> advantage -> update.",
@@ -63,9 +63,9 @@ def train_job(cfg: Any) -> dict[str, Any] | None:
     one), plan the memory, freeze, then train here or launch workers."""
     from omegaconf import open_dict
 
-    from rlcli import checkpoint
     from rlcli.config import validate
-    from rlcli.metrics import RunLog
+    from rlcli.loop import checkpoint
+    from rlcli.loop.metrics import RunLog
     from rlcli.plan.report import check_fits, fits_line
 
     run_dir(cfg)
@@ -88,7 +88,7 @@ def train_job(cfg: Any) -> dict[str, Any] | None:
         cfg.resume = resume  # the frozen config names the checkpoint itself
     frozen = freeze(cfg)
     if cfg.hw.nproc * cfg.hw.nnodes == 1:
-        from rlcli.trainer import Trainer
+        from rlcli.loop.trainer import Trainer
 
         with checkpoint.stop_on_disk_full(cfg):
             return Trainer(cfg).fit()
@@ -102,9 +102,9 @@ def train_job(cfg: Any) -> dict[str, Any] | None:
 
 def sft_job(cfg: Any) -> None:
     from rlcli.config import Config
+    from rlcli.core.schema import check_known_keys, check_ranges
     from rlcli.models import as_objects, warm_start_data
-    from rlcli.schema import check_known_keys, check_ranges
-    from rlcli.sft import warm_start
+    from rlcli.models.sft import warm_start
 
     run_dir(cfg)
     check_known_keys(cfg, Config)
@@ -124,7 +124,7 @@ def eval_job(cfg: Any) -> dict[str, float]:
     run_dir(cfg)
     validate(cfg)
     check_inputs(cfg, ("eval",))
-    from rlcli.eval import run_eval  # torch: after the checks, which answer in a second
+    from rlcli.loop.eval import run_eval  # torch: after the checks, which answer in a second
 
     return run_eval(cfg)
 
@@ -141,8 +141,8 @@ JOBS = {"train": train_job, "sft": sft_job, "eval": eval_job, "rm": rm_job}
 def _hydra_main(command: str, argv: list[str]) -> None:
     import hydra
 
-    from rlcli import sweep
     from rlcli.config import CONF_DIR, register_configs
+    from rlcli.core import sweep
 
     job = JOBS[command]
 
@@ -151,7 +151,7 @@ def _hydra_main(command: str, argv: list[str]) -> None:
     @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
     def entry(cfg: Any) -> float | None:
         """One job. Under -m (a trial of a sweep) `train` returns sweep.objective to the sweeper, and a failure of the
-        job (a user's mistake or a crash) is recorded and raised as TrialFailed, so the other trials run (rlcli.sweep)."""
+        job (a user's mistake or a crash) is recorded and raised as TrialFailed, so the other trials run (rlcli.core.sweep)."""
         import traceback
 
         multirun = sweep.in_multirun()
@@ -209,7 +209,7 @@ def _run_dir_error(e: OSError, key: str) -> Exception:
     """An OSError of Hydra's own work before the job (creating the run directory, writing .hydra/ and the log in
     it) as a one-line error naming `key`; the nearest existing part of the path that is a file, if any, is the
     usual cause (a run directory under a file)."""
-    from rlcli.schema import ConfigError
+    from rlcli.core.schema import ConfigError
 
     blocker = Path(os.fsdecode(e.filename))
     while not blocker.exists() and blocker != blocker.parent:
@@ -249,7 +249,7 @@ def user_message(e: BaseException) -> str | None:
     """The one-line message of a user's mistake, or None for an internal error."""
     from hydra.errors import HydraException
 
-    from rlcli.schema import ConfigError
+    from rlcli.core.schema import ConfigError
 
     if isinstance(e, ConfigError):
         return str(e)
@@ -313,7 +313,8 @@ def _main(argv: list[str]) -> None:
             raise SystemExit(code)
         return
     if command in ("ladder", "plot", "export"):  # own argparse flags; they launch or read `train` runs
-        from rlcli import export, ladder, plot
+        from rlcli.commands import export, ladder
+        from rlcli.loop import plot
 
         code = {"ladder": ladder.main, "plot": plot.main, "export": export.main}[command](rest)
         if code:

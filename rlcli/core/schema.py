@@ -22,7 +22,7 @@ from typing import Any
 
 class ConfigError(ValueError):
     """A mistake in the user's config or command line: `rlcli` prints it as one line (`rlcli: error: ...`) and
-    exits with status 2, without a traceback (rlcli.cli). A ValueError, so callers catching ValueError still do;
+    exits with status 2, without a traceback (rlcli.commands.cli). A ValueError, so callers catching ValueError still do;
     a plain ValueError from deeper code stays an internal error with its traceback."""
 
 
@@ -39,7 +39,7 @@ class Range:
     choices: tuple[Any, ...] | None = None
     why: str = ""
     kind: str = ""
-    """What the choices are, for a registry's names (rlcli.names.Names.kind): 'rollout engine'."""
+    """What the choices are, for a registry's names (rlcli.core.names.Names.kind): 'rollout engine'."""
     also: tuple[str, ...] = ()
     """Words a numeric field accepts besides its numbers: ('auto',)."""
 

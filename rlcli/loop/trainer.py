@@ -9,10 +9,10 @@
     6 update     ppo_epochs x mini_batches optimizer steps, each over micro-batches, with loss
                  normalizers reduced over the whole mini-batch (all micro-batches, all ranks)
       sync       the rollout engine samples from the new weights from then on
-    7 log/eval/checkpoint (rlcli.checkpoint: every checkpoint.every steps, and on SIGTERM/SIGINT)
+    7 log/eval/checkpoint (rlcli.loop.checkpoint: every checkpoint.every steps, and on SIGTERM/SIGINT)
 
-Stages 4 and 6 are the learner's (rlcli/learner.py); what the loop carries from step to step is one LoopState
-(rlcli/state.py). Algorithms never fork this loop: they are a config plus registered functions. VAPO value
+Stages 4 and 6 are the learner's (rlcli/loop/learner.py); what the loop carries from step to step is one LoopState
+(rlcli/loop/state.py). Algorithms never fork this loop: they are a config plus registered functions. VAPO value
 pretraining is the same step in another phase (the critic alone learns, on Monte-Carlo returns).
 """
 
@@ -30,28 +30,28 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from rlcli import __version__
-from rlcli import checkpoint as ckpt
 from rlcli import engine as eng
 from rlcli.algos.advantages import AdvantageInputs, compute_advantages, outcome_token_rewards
 from rlcli.algos.functional import distill_advantages, kl_estimate
 from rlcli.algos.kl import build_kl_controller
-from rlcli.batch import RolloutBatch
 from rlcli.config import units
+from rlcli.core.batch import RolloutBatch
 from rlcli.data import PromptStream, load_split
 from rlcli.engine.collectives import all_reduce, barrier, gather_objects, rank_zero_first
-from rlcli.eval import eval_subset
-from rlcli.learner import Learner, Phase, rl_phase, value_pretrain_phase
-from rlcli.metrics import MetricsLogger, RunLog, Timer, dump_rollouts, headline, memory_metrics
+from rlcli.loop import checkpoint as ckpt
+from rlcli.loop.eval import eval_subset
+from rlcli.loop.learner import Learner, Phase, rl_phase, value_pretrain_phase
+from rlcli.loop.metrics import MetricsLogger, RunLog, Timer, dump_rollouts, headline, memory_metrics
+from rlcli.loop.plot import log_curves
+from rlcli.loop.state import LoopState, seed_everything
+from rlcli.loop.summary import startup_summary
 from rlcli.models import resolve_model_path
 from rlcli.plan.budget import fix_budget
 from rlcli.plan.inputs import longest_prompt
-from rlcli.plot import log_curves
 from rlcli.rewards import RewardManager
 from rlcli.rollout import build_engine
 from rlcli.rollout.remote import rollout_source
 from rlcli.rollout.sampler import DynamicSamplingExhausted, GroupSampler, sampling_metrics
-from rlcli.state import LoopState, seed_everything
-from rlcli.summary import startup_summary
 
 __all__ = ["DynamicSamplingExhausted", "Trainer"]
 
@@ -248,7 +248,7 @@ class Trainer:
     # ------------------------------------------------------------------ 7: evaluation, checkpoints
     def evaluate(self) -> dict[str, float]:
         """Held-out metrics (greedy accuracy by default) with the code of `rlcli eval`, sharded over ranks."""
-        from rlcli.eval import metrics, sample_and_verify
+        from rlcli.loop.eval import metrics, sample_and_verify
 
         world, examples = self.units.world, self.eval_examples
         shard = examples[self.rank :: world]
@@ -266,7 +266,7 @@ class Trainer:
         return metrics(rows, self.cfg.eval)
 
     def save_checkpoint(self) -> str:
-        """Write everything the next step depends on (layout: rlcli.checkpoint); all ranks call it.
+        """Write everything the next step depends on (layout: rlcli.loop.checkpoint); all ranks call it.
         -> the checkpoint directory"""
         cfg, step, t0 = self.cfg, self.state.step, time.perf_counter()
         tmp = ckpt.staging(cfg.run_dir, step, self.rank, barrier)

@@ -7,7 +7,7 @@ Names follow the field's habits (docs/metrics.md, "Evaluation"):
              (Chen et al. 2021, "Evaluating Large Language Models Trained on Code", eq. 1);
   maj@k      the majority-voted final answer of the k samples is correct (self-consistency).
 
-Answers come from the reward's own extractor, `rlcli.answers.extract_final_answer` (through
+Answers come from the reward's own extractor, `rlcli.core.answers.extract_final_answer` (through
 `extract_final_answer_or_none`: a response the reward rejects as malformed gives no answer), so
 maj@k votes on exactly the answers the reward verified. `normalize_answer` is deliberately simple
 (whitespace, `$`, spacing macros, `\\dfrac`, thousands separators); it decides only which answers
@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 
-from rlcli.answers import extract_final_answer_or_none
+from rlcli.core.answers import extract_final_answer_or_none
 
 _NUMBER_WITH_COMMAS = re.compile(r"-?\d{1,3}(,\d{3})+(\.\d+)?")
 _DECIMAL = re.compile(r"-?\d+\.\d+")

@@ -1,6 +1,6 @@
 """The learner: the actor, critic and reference engines, and everything a micro-batch touches.
 
-The loop (rlcli/trainer.py) asks the learner to score a batch (stage 4) and to update on it (stage 6); how
+The loop (rlcli/loop/trainer.py) asks the learner to score a batch (stage 4) and to update on it (stage 6); how
 the batch is split into micro-batches, padded for ZeRO-3 lockstep, normalised over the whole mini-batch
 and reduced over ranks is the learner's (verl's `compute_log_prob` / `update_actor` roles):
 
@@ -37,8 +37,9 @@ from rlcli.algos.functional import (
     rollout_correction_weights,
 )
 from rlcli.algos.losses import POLICY_LOSSES
-from rlcli.batch import RolloutBatch
 from rlcli.config import BatchUnits, trained_model
+from rlcli.core.batch import RolloutBatch
+from rlcli.core.names import NEEDS_VALUES
 from rlcli.engine.collectives import agree_max, all_reduce, global_stats
 from rlcli.models import (
     DTYPES,
@@ -58,7 +59,6 @@ from rlcli.models.value import (
     response_head_outputs,
     response_values,
 )
-from rlcli.names import NEEDS_VALUES
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Metric sinks (stdout, run_dir/metrics.jsonl, the logger backends of rlcli.loggers) and stage timers.
+"""Metric sinks (stdout, run_dir/metrics.jsonl, the logger backends of rlcli.core.loggers) and stage timers.
 
 Metric names follow the field's habits and are defined once in docs/metrics.md:
 `reward/mean`, `acc/mean`, `actor/pg_loss`, `timing_s/rollout`, ...
@@ -69,7 +69,7 @@ class RunLog:
     file then holds rlcli's log messages, in order), else through its own handler (a torchrun worker's rank 0, a
     Trainer built in code). Rank 0 only."""
 
-    FILE = "cli.log"  # Hydra's job log: <hydra.job.name>.log, and the job is rlcli/cli.py's
+    FILE = "cli.log"  # Hydra's job log: <hydra.job.name>.log, and the job is rlcli/commands/cli.py's
 
     def __init__(self, run_dir: str):
         run_dir = os.path.realpath(run_dir)
@@ -86,7 +86,7 @@ class RunLog:
         from tqdm.auto import tqdm
 
         tqdm.write(msg)  # above a progress bar, if one is showing
-        self.handler.handle(logging.LogRecord("rlcli.trainer", logging.INFO, __file__, 0, msg, None, None))
+        self.handler.handle(logging.LogRecord("rlcli.loop.trainer", logging.INFO, __file__, 0, msg, None, None))
 
     def close(self) -> None:
         if self.own is not None:
@@ -136,7 +136,7 @@ def _clean(metrics: dict[str, Any]) -> dict[str, float]:
 
 class MetricsLogger:
     """Writes every metric to run_dir/metrics.jsonl, and to each logger backend the config turns on (wandb,
-    tensorboard, mlflow: rlcli.loggers). Rank 0 only.
+    tensorboard, mlflow: rlcli.core.loggers). Rank 0 only.
 
     A resumed run passes `rows_from` (the checkpoint's metrics.jsonl: the rows up to its step, so rows a killed
     run wrote after it are dropped), the checkpoint's `resume_step` and its `run_ids` (each backend's run id, from
@@ -155,7 +155,7 @@ class MetricsLogger:
     def __init__(self, cfg: Any, run_dir: str, config_dict: dict[str, Any], enabled: bool = True,
                  rows_from: str | None = None, resume_step: int | None = None,
                  run_ids: dict[str, str] | None = None):
-        from rlcli import loggers
+        from rlcli.core import loggers
 
         self.enabled = enabled
         self.cfg = cfg
@@ -203,7 +203,7 @@ class MetricsLogger:
             b.log(values, step)
 
     def attach(self, figure: str, step: int) -> None:
-        """Attach the run's curves figure (rlcli.plot.log_curves draws it) to every backend at `step`."""
+        """Attach the run's curves figure (rlcli.loop.plot.log_curves draws it) to every backend at `step`."""
         self.curves = figure
         for b in self.backends:
             b.log_figure(figure, step)

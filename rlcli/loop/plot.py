@@ -7,7 +7,7 @@ that far, `metrics.jsonl` and `result.json`); a sweep directory is searched recu
 Runs whose frozen configs are equal except `seed` and `run_dir` are one *group*: the figure shows the
 mean over the group's seeds at each step, with a ±1 std band. A group is labelled by `ladder.rung`
 when the runs are ladder rungs, else by the run directory name with Hydra's `_seed<N>` removed.
-`rlcli ladder` draws its figure with the same code (rlcli/ladder.py).
+`rlcli ladder` draws its figure with the same code (rlcli/commands/ladder.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlcli.metrics import read_jsonl
+from rlcli.loop.metrics import read_jsonl
 
 # Panels always drawn, then the critic panels when any run logged them (PPO, VAPO).
 PANELS = {
@@ -128,7 +128,7 @@ def group_runs(runs: list[Run]) -> list[Group]:
     for run in runs:
         cfg = {k: v for k, v in run.config.items() if k not in IGNORED_KEYS}
         groups.setdefault(json.dumps(cfg, sort_keys=True), []).append(run)
-    from rlcli.schema import flatten
+    from rlcli.core.schema import flatten
 
     differ = differing_keys([m[0].config for m in groups.values()])
     out = []
@@ -145,7 +145,7 @@ def group_runs(runs: list[Run]) -> list[Group]:
 def differing_keys(configs: list[dict[str, Any]]) -> list[str]:
     """The config keys whose values differ between `configs` (one per group; seed, run_dir and resume ignored):
     what a sweep varied, which labels its groups (optim.lr=0.0001) whatever their folders are called."""
-    from rlcli.schema import flatten
+    from rlcli.core.schema import flatten
 
     flats = [flatten({k: v for k, v in c.items() if k not in IGNORED_KEYS}) for c in configs]
     keys = sorted(set().union(*flats)) if flats else []
@@ -300,7 +300,7 @@ def main(argv: list[str]) -> int:
 
 def log_curves(logger: Any, result: dict[str, Any], step: int) -> None:
     """The end of a run: draw its training curves as `rlcli plot` does (run_dir/curves.png) and attach them to every
-    backend of `logger` (rlcli.metrics.MetricsLogger) at `step`. Nothing without a backend."""
+    backend of `logger` (rlcli.loop.metrics.MetricsLogger) at `step`. Nothing without a backend."""
     if not logger.enabled or not logger.backends:
         return
     logger.file.flush()

@@ -49,7 +49,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from rlcli.schema import ConfigError, flatten
+from rlcli.core.schema import ConfigError, flatten
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
@@ -318,7 +318,7 @@ def estimated_bytes(cfg: Any) -> int:
     DeepSpeed states, i.e. its weights in the training precision plus AdamW's fp32 moments (and fp32 master
     weights under bf16); a frozen LoRA base is not saved; the frozen pretrained critic of V_aug in fp32. RNG
     states, the carry and the metrics are small beside them."""
-    from rlcli.names import NEEDS_VALUES
+    from rlcli.core.names import NEEDS_VALUES
     from rlcli.plan.shapes import arch_of, critic_param_count, lora_param_count, param_count
 
     arch = arch_of(cfg.model)
@@ -404,7 +404,7 @@ def stop_on_disk_full(cfg: Any) -> Iterator[None]:
 def write_run_files(directory: str, cfg: Any, step: int, world: int, logger_ids: dict[str, str]) -> None:
     """The frozen config.yaml, meta.json and copies of the CARRIED folders of a checkpoint being staged in `directory`
     (rank 0). `logger_ids`: each
-    logger backend's run id ({"wandb": ..., "mlflow": ...}), which a resumed run continues (rlcli.loggers)."""
+    logger backend's run id ({"wandb": ..., "mlflow": ...}), which a resumed run continues (rlcli.core.loggers)."""
     from omegaconf import OmegaConf
 
     OmegaConf.save(cfg, os.path.join(directory, "config.yaml"), resolve=True)

@@ -5,7 +5,7 @@ On one CUDA GPU (hw=1xgpu, bf16), each configuration in a fresh process:
 1. Speed and memory. GRPO steps of a model of Qwen2.5-0.5B's published shape (24 layers, hidden 896, 14 query /
    2 key-value heads, vocabulary 151,936, tied embeddings) with random weights, so nothing is downloaded, for each
    rollout engine, sleep mode and ZeRO stage in SPEED, and with `algo.rollout_correction` (the sampler/trainer
-   gap in bf16, `rollout_corr/*`). Per configuration: the medians of `rlcli.bench.train_steps` (one warm-up step,
+   gap in bf16, `rollout_corr/*`). Per configuration: the medians of `rlcli.commands.bench.train_steps` (one warm-up step,
    then --steps), the device's peak memory in use (every process, vLLM's engine core too) and the memory plan's
    estimate of it. The model reads the embedded character tokenizer (its ids are a subset of the vocabulary) and
    the embedded arithmetic task; rewards stay near zero (random weights): these rows measure the machine.
@@ -104,7 +104,7 @@ class DevicePeak:
                 return
 
     def __exit__(self, *exc: Any) -> None:
-        from rlcli.metrics import peak_mem_gb
+        from rlcli.loop.metrics import peak_mem_gb
 
         self._stop.set()
         if self.cuda:
@@ -114,10 +114,10 @@ class DevicePeak:
 
 
 def measure(steps: int, overrides: list[str]) -> dict[str, float]:
-    """One configuration in this process: `rlcli.bench.train_steps` inside a DevicePeak."""
+    """One configuration in this process: `rlcli.commands.bench.train_steps` inside a DevicePeak."""
     import torch
 
-    from rlcli.bench import train_steps
+    from rlcli.commands.bench import train_steps
 
     with DevicePeak() as device:
         out = train_steps(overrides, steps)
@@ -166,19 +166,19 @@ def child(argv: list[str], timeout: int) -> str:
 def speed(argv: list[str], result: Path, timeout: int) -> dict[str, Any]:
     """One speed configuration in a child process, which writes its numbers to `result` -> them, or the error."""
     result.unlink(missing_ok=True)
-    error = child(["-m", "rlcli.gpu_smoke", "--measure", str(result), *argv], timeout)
+    error = child(["-m", "rlcli.commands.gpu_smoke", "--measure", str(result), *argv], timeout)
     return {"error": error} if error else json.loads(result.read_text())
 
 
 def curve(overrides: list[str], run_dir: Path, out_dir: Path, timeout: int) -> dict[str, Any]:
     """`rlcli train` with held-out evaluations; -> its eval points, step time and training accuracy, with the
     metrics file and a plot copied to `out_dir` (or the error: the run's own, or the summary's)."""
-    error = child(["-m", "rlcli.cli", "train", *overrides, f"hydra.run.dir={run_dir}"], timeout)
+    error = child(["-m", "rlcli.commands.cli", "train", *overrides, f"hydra.run.dir={run_dir}"], timeout)
     if error:
         return {"overrides": overrides, "error": error}
     try:
-        from rlcli.metrics import read_jsonl
-        from rlcli.plot import main as plot
+        from rlcli.loop.metrics import read_jsonl
+        from rlcli.loop.plot import main as plot
 
         shutil.copy(run_dir / "metrics.jsonl", out_dir / "curve_metrics.jsonl")
         rows = read_jsonl(str(run_dir / "metrics.jsonl"))
@@ -237,7 +237,7 @@ def markdown(res: dict[str, Any]) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m rlcli.gpu_smoke", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m rlcli.commands.gpu_smoke", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="gpu-results", help="folder for the results (default: gpu-results)")
     p.add_argument("--only", action="append", default=[],
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
     res: dict[str, Any] = {
         "device": "CPU (--tiny)" if args.tiny else torch.cuda.get_device_name(),
         "date": datetime.date.today().isoformat(), "versions": versions, "steps": args.steps,
-        "command": "python -m rlcli.gpu_smoke " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python -m rlcli.commands.gpu_smoke " + " ".join(sys.argv[1:] if argv is None else argv),
         "shape": f"Qwen2 {shape['num_hidden_layers']} layers x {shape['hidden_size']} (random weights)",
         "speed": {}, "curve": None}
 

@@ -15,7 +15,7 @@ from typing import Any
 class Registry(dict[str, Callable[..., Any]]):
     """A dict of named functions of one kind with a decorator and a helpful lookup error.
 
-    `kind` is a plain name, or a `rlcli.names.Names` catalogue: then only its names may be registered, so
+    `kind` is a plain name, or a `rlcli.core.names.Names` catalogue: then only its names may be registered, so
     config validation can check names without importing the functions (and torch)."""
 
     def __init__(self, kind: str | tuple[str, ...]):
@@ -28,7 +28,7 @@ class Registry(dict[str, Callable[..., Any]]):
             if name in self:
                 raise ValueError(f"{self.kind} {name!r} is registered twice")
             if self.declared is not None and name not in self.declared:
-                raise ValueError(f"{self.kind} {name!r} is not declared in rlcli/names.py: add it there")
+                raise ValueError(f"{self.kind} {name!r} is not declared in rlcli/core/names.py: add it there")
             self[name] = fn
             return fn
 

@@ -8,7 +8,7 @@ from typing import Any
 def startup_summary(t: Any) -> str:
     """The start-up summary of a Trainer `t`: what was loaded, the algorithm, and every batch unit."""
     from rlcli.config import off_policy
-    from rlcli.topology import asynchronous, rollout_ranks, staleness, world_size
+    from rlcli.core.topology import asynchronous, rollout_ranks, staleness, world_size
 
     cfg, a, r, hw, u, learner, s = t.cfg, t.cfg.algo, t.cfg.rollout, t.cfg.hw, t.units, t.learner, t.state
     # ZeRO-3 leaves empty placeholders in the module; ds_numel is the full count of a partitioned one.
@@ -119,7 +119,7 @@ def old_logprob_pass(cfg: Any, on_policy: bool) -> str:
     """Whether the update computes the old policy's log-probs, and what stands in for them when it does not; with
     asynchronous rollout the rows lag even when the update is on-policy, and the summary must say so."""
     from rlcli.config import off_policy
-    from rlcli.topology import staleness
+    from rlcli.core.topology import staleness
 
     mode, lag = off_policy(cfg), staleness(cfg)
     if mode == "bypass":

@@ -1,5 +1,5 @@
 """Starting a job: the offline environment, the run directory Hydra chose, the frozen config, and the torchrun workers
-that train from it (rlcli.worker). Shared by the commands that launch jobs (rlcli.cli: train, eval, sft; rlcli.rm.job:
+that train from it (rlcli.commands.worker). Shared by the commands that launch jobs (rlcli.commands.cli: train, eval, sft; rlcli.rm.job:
 rm) and by the workers themselves."""
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def freeze(cfg: Any) -> str:
 
 
 def launch(frozen_config: str, hw: Any, job: str = "train") -> None:
-    """Run `hw.nproc` workers of `job` (rlcli.worker.WORKERS: train | rm) under torchrun. The first
+    """Run `hw.nproc` workers of `job` (rlcli.commands.worker.WORKERS: train | rm) under torchrun. The first
     SIGTERM/SIGINT/SIGHUP reaches the workers once, through torchrun, which gives them hw.shutdown_timeout_s to
     checkpoint; later ones are not passed on (a second signal would cut torchrun's wait short), except that a
     second SIGINT kills them all at once.
@@ -68,9 +68,9 @@ def launch(frozen_config: str, hw: Any, job: str = "train") -> None:
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={hw.nproc}",
         f"--nnodes={hw.nnodes}", f"--node_rank={hw.node_rank}", f"--master_addr={hw.master_addr}",
         f"--master_port={hw.master_port or free_port()}", f"--shutdown-timeout={hw.shutdown_timeout_s}",
-        "-m", "rlcli.worker", frozen_config, job,
+        "-m", "rlcli.commands.worker", frozen_config, job,
     ]
-    from rlcli.metrics import RunLog
+    from rlcli.loop.metrics import RunLog
 
     RunLog(os.path.dirname(frozen_config))("launching: " + " ".join(cmd))
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}

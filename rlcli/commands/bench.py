@@ -78,13 +78,13 @@ def train_steps(overrides: list[str], steps: int = STEPS) -> dict[str, float]:
     process's peak memory."""
     from hydra import compose, initialize_config_dir
 
+    from rlcli.commands.launch import offline_environment
     from rlcli.config import CONF_DIR, register_configs, validate
-    from rlcli.launch import offline_environment
-    from rlcli.metrics import peak_mem_gb
+    from rlcli.loop.metrics import peak_mem_gb
+    from rlcli.loop.trainer import Trainer
     from rlcli.plan.budget import fix_budget
     from rlcli.plan.inputs import measure_prompts
     from rlcli.plan.states import GIB
-    from rlcli.trainer import Trainer
 
     offline_environment()
     register_configs()
@@ -120,7 +120,7 @@ def train_steps(overrides: list[str], steps: int = STEPS) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m rlcli.bench [--only=TEXT] [overrides]`: every shape (or those whose name contains TEXT)."""
+    """`python -m rlcli.commands.bench [--only=TEXT] [overrides]`: every shape (or those whose name contains TEXT)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     only = next((a.split("=", 1)[1] for a in argv if a.startswith("--only=")), "")
     argv = [a for a in argv if not a.startswith("--only=")]
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
             continue
         res = {}
         for engine in ENGINES:
-            out = subprocess.run([sys.executable, "-m", "rlcli.bench", "--train", f"rollout.engine={engine}",
+            out = subprocess.run([sys.executable, "-m", "rlcli.commands.bench", "--train", f"rollout.engine={engine}",
                                   *overrides, *argv], capture_output=True, text=True, timeout=1800)
             if out.returncode:
                 raise SystemExit(f"bench run ({shape}, {engine}) failed:\n{out.stderr[-3000:]}")
@@ -197,7 +197,7 @@ def stage_rates(res: dict[str, dict[str, float]], peak: float) -> str:
 # is ~2.5x the generation, so the asynchronous gain is bounded by the rollout's share; this shape, the default
 # task with a verifier that takes 20 ms per response (a math or code checker under load), balances them.
 ASYNC_SHAPE = "default task, 20 ms verifier"
-ASYNC_ARGS = ["+reward.weights.slow=0.0", "+reward.custom.slow=rlcli.bench.sleepy_20ms", "steps=8",
+ASYNC_ARGS = ["+reward.weights.slow=0.0", "+reward.custom.slow=rlcli.commands.bench.sleepy_20ms", "steps=8",
               "eval.before=false", "eval.size=16", "save=false", "checkpoint.every=0"]
 ASYNC_RUNS = {"synchronous (hw=cpu, 2 threads)": ["hw=cpu", "hw.num_threads=2"],
               "async S=1 (hw=cpu_x2: 1 train + 1 rollout rank)": ["hw=cpu_x2", "rollout.async.max_staleness=1"]}
@@ -216,7 +216,7 @@ def async_vs_sync(argv: list[str]) -> None:
     res = {}
     for name, overrides in ASYNC_RUNS.items():
         with tempfile.TemporaryDirectory(prefix="rlcli-bench-") as run:
-            out = subprocess.run([sys.executable, "-m", "rlcli.cli", "train", *ASYNC_ARGS, *overrides, *argv,
+            out = subprocess.run([sys.executable, "-m", "rlcli.commands.cli", "train", *ASYNC_ARGS, *overrides, *argv,
                                   f"hydra.run.dir={run}"], capture_output=True, text=True, timeout=1800)
             if out.returncode:
                 raise SystemExit(f"bench run ({name}) failed:\n{out.stdout[-2000:]}{out.stderr[-3000:]}")
@@ -263,7 +263,7 @@ def scoring_memory() -> None:
           f"response) tokens, vocabulary {s['vocab']}; one fp32 [rows, prompt+response, vocab] tensor = {full_gib:.2f} GiB")
     print(f"{'hw.logits_chunk':<20}{'peak RSS growth GiB':>22}{'seconds':>10}")
     for chunk in SCORING_CHUNKS:
-        out = subprocess.run([sys.executable, "-m", "rlcli.bench", "--scoring-pass", str(chunk)],
+        out = subprocess.run([sys.executable, "-m", "rlcli.commands.bench", "--scoring-pass", str(chunk)],
                              capture_output=True, text=True, check=True, timeout=600).stdout.split()
         print(f"{chunk if chunk else '0 (whole sequence)':<20}{float(out[-2]):>22.2f}{float(out[-1]):>10.2f}")
 

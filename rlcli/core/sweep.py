@@ -24,7 +24,7 @@ from typing import Any
 
 from hydra.experimental.callback import Callback
 
-from rlcli.schema import ConfigError
+from rlcli.core.schema import ConfigError
 
 TRIAL_FILE = "trial.json"
 OBJECTIVE = re.compile(r"^(?P<name>[^@\s]+)(@(?:(?P<step>\d+)|last(?P<last>\d+)))?$")

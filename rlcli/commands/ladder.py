@@ -6,7 +6,7 @@ full method) or else rung k-1, and changes exactly the keys in its `ladder.chang
 (tests/test_ladder.py checks it). `rlcli ladder dapo` runs every rung x every seed as ONE Hydra
 multirun of `rlcli train` in a subprocess:
 
-    python -m rlcli.cli train -m recipe=dapo/00_naive_grpo,dapo/01_overlong_filter,... seed=1,2,3 \
+    python -m rlcli.commands.cli train -m recipe=dapo/00_naive_grpo,dapo/01_overlong_filter,... seed=1,2,3 \
         [recipes/dapo/ladder.yaml overrides] [user overrides] hydra.sweep.dir=<out>
 
 then collects the run directories under <out> into results.csv, results.md and figure.png.
@@ -31,9 +31,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from rlcli.plot import Group, figure, find_runs, group_runs, mean, std
+from rlcli.config import CONF_DIR
+from rlcli.loop.plot import Group, figure, find_runs, group_runs, mean, std
 
-RECIPES_DIR = Path(__file__).resolve().parent / "conf" / "recipe"  # the shipped recipes/ (cli.CONF_DIR)
+RECIPES_DIR = CONF_DIR / "recipe"  # the shipped recipes/
 RUNG_FILE = re.compile(r"^(\d+)_\w+\.yaml$")
 DEFAULTS_FILE = "ladder.yaml"
 META_FILE = "ladder.json"
@@ -88,7 +89,7 @@ def base_index(base: str | None) -> int | None:
         return None
     m = RUNG_FILE.match(Path(base).name + ".yaml")
     if not m:
-        from rlcli.schema import ConfigError
+        from rlcli.core.schema import ConfigError
 
         raise ConfigError(f"ladder.base={base!r} is not a rung name like <paper>/NN_<name>")
     return int(m.group(1))
@@ -138,7 +139,7 @@ def build_command(
         raise SystemExit("rlcli ladder picks the recipes itself: drop recipe=...; use --rungs 0,1 to run a subset")
     if "hydra.sweep.dir" in keys:
         raise SystemExit("set the output directory with --out DIR, not hydra.sweep.dir=...")
-    cmd = [python, "-m", "rlcli.cli", "train", "-m", "recipe=" + ",".join(rung_names)]
+    cmd = [python, "-m", "rlcli.commands.cli", "train", "-m", "recipe=" + ",".join(rung_names)]
     if "seed" not in keys:
         cmd.append("seed=" + ",".join(str(s) for s in defaults.seeds))
     cmd += [o for o in defaults.overrides if override_key(o) not in keys]

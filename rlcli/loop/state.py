@@ -10,9 +10,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlcli.core.schema import ConfigError
 from rlcli.data import PromptStream
 from rlcli.rollout.sampler import GroupSampler
-from rlcli.schema import ConfigError
 
 HEADLINE = ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "reward/mean", "acc/mean")
 
