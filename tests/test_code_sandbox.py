@@ -77,6 +77,7 @@ def battery():
     return json.loads(out.stdout)
 
 
+@pytest.mark.slow
 def test_a_hostile_battery_is_contained_and_scores_nothing(battery):
     cases = battery["cases"]
     assert len(cases) == 19
@@ -96,6 +97,7 @@ def test_a_hostile_battery_is_contained_and_scores_nothing(battery):
     assert cases["always-equal object"]["status"] == "failed" and cases["patch builtins"]["status"] == "failed"
 
 
+@pytest.mark.slow
 def test_the_reward_manager_counts_each_ending_and_the_run_goes_on():
     cfg = RewardConfig(weights={"code": 1.0}, timeout_s=8.0)
     cfg.code.timeout_s = 2.0

@@ -29,6 +29,7 @@ def test_distill_advantages_by_hand(discount, want):
     assert (got[MASK == 0] == 0).all()
 
 
+@pytest.mark.slow
 def test_a_teacher_equal_to_the_student_changes_nothing_bit_for_bit(make_trainer):
     """distill.teacher = the student's own weights: the teacher's log-probs equal the student's bitwise, so the
     distillation advantage is exactly 0 and the step (metrics and every weight after it) is bit-identical to the
@@ -125,6 +126,7 @@ def test_the_update_pass_gives_the_full_kl_of_the_models_own_logits(chunk):
     assert torch.equal(logp, response_logprobs(student, *args, chunk=chunk)[0])
 
 
+@pytest.mark.slow
 def test_full_kl_term_trains_and_is_logged(make_trainer):
     """distill.full_kl_coef > 0 with algo=distill: a step whose loss holds the full-vocabulary KL to a different
     teacher (the random-init tiny model of another seed) logs distill/full_kl > 0 and moves the weights."""
@@ -160,6 +162,7 @@ def test_the_memory_plan_counts_the_teacher(tmp_path):
     assert plan.rows["teacher log-probs"] == mb * 48 * 100 * 4
 
 
+@pytest.mark.slow
 def test_a_lora_student_is_scored_with_its_adapters(make_trainer):
     """A LoRA student of its own base as the teacher: peft's adapters start as an exact no-op (B = 0), so the
     adapted student's log-probs equal the teacher's and the reverse KL is exactly 0; after one update they differ."""
@@ -182,6 +185,7 @@ def small_teacher(directory):
     return directory
 
 
+@pytest.mark.slow
 def test_a_teacher_partitioned_under_zero3_scores_as_a_whole_one(make_trainer, tmp_path):
     """hw.zero_stage=3: the teacher is built partitioned and wrapped by DeepSpeed without an optimizer
     (rlcli.engine.frozen_model); its scores, the distillation metrics and the step equal ZeRO-0's (1e-5: summation
@@ -196,6 +200,7 @@ def test_a_teacher_partitioned_under_zero3_scores_as_a_whole_one(make_trainer, t
         assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-7), k
 
 
+@pytest.mark.slow
 def test_a_resumed_distillation_run_equals_the_straight_one(tmp_path):
     """`rlcli train` with a teacher of its own shape, checkpointed after step 1 and resumed from it: step 2's metrics
     (distill/* included) and the saved policy are bit-identical to the straight run's. The teacher holds no state:
@@ -227,3 +232,17 @@ def test_asynchronous_rollout_distills_on_the_training_rank_as_the_synchronous_r
     assert same_training(tmp_path / "sync", tmp_path / "async")
     steps = [r for r in metric_rows(tmp_path / "async") if "distill/reverse_kl" in r]
     assert len(steps) == 2 and all(r["distill/reverse_kl"] != 0 for r in steps)
+
+
+@pytest.mark.slow
+def test_a_vllm_rollout_distills_as_the_teacher_scores_on_the_trainer(make_trainer, tmp_path):
+    """rollout.engine=vllm: the student samples with vLLM and the teacher scores the sampled tokens in the trainer's
+    scoring stage, against the trainer's own log-probs (not the sampler's): a teacher equal to the student gives a
+    reverse KL of exactly 0; a different teacher gives a finite, nonzero one."""
+    plain = make_trainer("save=false", run="plain")
+    same = make_trainer("save=false", "rollout.engine=vllm", f"distill.teacher={plain.model_path}", run="same")
+    other = make_trainer("save=false", "rollout.engine=vllm", f"distill.teacher={small_teacher(tmp_path / 't')}",
+                         run="other")
+    a, b = same.train_step(1), other.train_step(1)
+    assert a["distill/reverse_kl"] == 0.0 and a["rollout_corr/kl"] >= 0  # the sampler's gap is not the teacher's
+    assert b["distill/reverse_kl"] != 0.0 and all(map(torch.isfinite, map(torch.tensor, b.values())))

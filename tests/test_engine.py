@@ -73,6 +73,7 @@ def test_non_finite_grad_norm_skips_the_step(bad):
     assert any(not torch.equal(before[n], p) for n, p in e.module.named_parameters())
 
 
+@pytest.mark.slow
 def test_single_process_ignores_inherited_launcher_env():
     """A run started from a process that already has a group (WORLD_SIZE/MASTER_PORT in its env,
     the port still bound) must make its own group on a free port, not collide with the parent's."""
@@ -336,6 +337,7 @@ def test_every_gpu_smoke_configuration_is_a_valid_config(tmp_path):
         assert (cfg.model.name, cfg.data.name, cfg.eval.k) == ("smollm2-135m", "chat_add", 4)
 
 
+@pytest.mark.slow
 def test_gpu_smoke_kills_a_timed_out_configuration_with_the_processes_it_started(tmp_path):
     """A configuration past its timeout ends with its whole process group (a vLLM engine core, reward workers), so
     nothing it left behind holds memory the next configuration measures."""

@@ -193,6 +193,7 @@ def calculator_engine(calculator_cache):
     mt.close()
 
 
+@pytest.mark.slow
 def test_hf_multi_turn_rows_keep_the_token_contract(calculator_engine, monkeypatch):
     from rlcli.data.arith import arith_examples
     from rlcli.rollout import Sampling
@@ -349,6 +350,7 @@ def test_a_tool_demonstration_is_rendered_as_rollout_renders_it_and_its_observat
     assert tok.decode(ids[0][labels[0] != -100]) == " calc(34+85)</s>\\boxed{119}</s>"
 
 
+@pytest.mark.slow
 def test_a_user_environment_trains_its_step_rewards_add_to_the_score(make_trainer, calculator_cache):
     """env.name=<dotted path>: a user class drives the conversation (three turns, observations t1 and t2), and its
     step rewards (0.25 a turn) add to the task reward."""

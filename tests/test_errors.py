@@ -46,6 +46,7 @@ def assert_one_line(out, needle):
     (["ladder", "nope"], "no ladder 'nope'"),
     (["plot", "/no/such/run"], "no such directory"),
 ])  # fmt: skip
+@pytest.mark.slow
 def test_a_user_error_is_one_line_with_exit_status_2(tmp_path, argv, needle):
     out = rlcli(tmp_path, *argv, *([f"hydra.run.dir={tmp_path}/run"] if argv[0] in ("train", "eval", "sft") else []))
     assert_one_line(out, needle)
@@ -248,6 +249,7 @@ def test_an_unimportable_custom_reward_is_one_line_before_the_model_loads(tmp_pa
     assert_early(out, "importable from the working folder (a file ./yourpkg/rewards.py)", elapsed)
 
 
+@pytest.mark.slow
 def test_the_docs_custom_reward_example_runs_as_written_from_a_working_folder(tmp_path):
     """docs/usage.md's `rlcli train +reward.custom.brevity=mypkg.rewards.brevity ...` with docs/rewards.md's
     mypkg/rewards.py in the working folder, through an entry point that does not put the working folder on sys.path

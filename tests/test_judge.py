@@ -281,6 +281,7 @@ def test_a_killed_judged_run_resumed_asks_nothing_it_had_and_equals_a_straight_r
 
 
 # ---------------------------------------------------------------------------------------------- in the job
+@pytest.mark.slow
 def test_a_local_judge_renders_its_rubric_and_judges_greedily(make_trainer, tmp_path):
     """reward.judge.path: the tiny policy judges its own responses in the job (its verdicts are mostly unparsed:
     the pipeline is the point): the rubric holds the prompt, the response and the reference, two calls give the same
@@ -368,3 +369,25 @@ def test_rlcli_train_judges_two_steps_through_vllm_serve(vllm_server, tmp_path):
     assert all(0 <= r["reward/judge_unparsed"] <= 16 and 0 <= r["reward/judge"] <= 1 for r in rows)
     cached = (tmp_path / "run" / "judge_cache" / "rank_0.jsonl").read_text().splitlines()
     assert len(cached) >= 16 and all(isinstance(json.loads(x)["reply"], str) for x in cached)
+
+
+@pytest.mark.slow
+def test_a_local_judge_on_vllm_replies_as_the_hf_judge_beside_a_vllm_rollout(make_trainer):
+    """reward.judge.engine=vllm: a vLLM engine of the judge's directory in the job, here beside the rollout's own vLLM
+    engine in the same process, gives the HF judge's greedy replies (fp32, the tiny model) to the same rubrics, keys
+    its cache apart from HF's, and judges a training step."""
+    from rlcli.models import resolve_model_path
+
+    t0 = make_trainer()
+    path, _ = resolve_model_path(t0.cfg.model, t0.cfg.data)
+    judged = ("+reward.weights.judge=1.0", f"reward.judge.path={path}", "reward.judge.max_tokens=8")
+    hf = make_trainer(*judged, run="hf").rewards.scorers["judge"]
+    t = make_trainer(*judged, "reward.judge.engine=vllm", "rollout.engine=vllm", run="vllm")
+    judge = t.rewards.scorers["judge"]
+    texts = hf.texts(batch(t.tokenizer, ["7 \\boxed{7}", "x", "77", "3"]))
+    assert judge.backend.ask(texts) == hf.backend.ask(texts)
+    assert judge.backend.request(texts[0]) == hf.backend.request(texts[0])  # the same rubric, through the same template
+    assert judge.backend.identity == {**hf.backend.identity, "engine": "vllm"}
+    metrics = t.train_step(1)
+    assert metrics["reward/judge_errors"] == 0 and 0 <= metrics["reward/judge"] <= 1
+    assert 0 < len(judge.cache.replies) <= 16  # one per distinct rubric of the step's 16 rows

@@ -3,8 +3,10 @@ holds what the terminal showed. The end-to-end checks (a real run's cli.log, its
 tests/test_train.py::test_the_run_log_holds_what_the_terminal_showed_and_nothing_is_noise."""
 
 import logging
+import subprocess
+import sys
 
-from rlcli.loop.metrics import RunLog, headline
+from rlcli.loop.metrics import RunLog, headline, peak_mem_gb
 
 
 def test_the_step_line_shows_kl_lr_throughput_and_memory_and_prints_rounding_noise_as_zero():
@@ -49,3 +51,14 @@ def test_the_run_log_writes_through_hydras_job_log_once_or_its_own(tmp_path):
     say("held-out accuracy after training: 0.500")
     say.close()
     assert (own_run / "cli.log").read_text().endswith("][rlcli.loop.trainer] held-out accuracy after training: 0.500\n")
+
+
+def test_a_process_started_by_a_larger_one_reports_its_own_peak_memory():
+    """perf/peak_mem_gb is the process's own high-water mark: a child of a process holding 512 MiB more reports
+    tens of MiB (getrusage's ru_maxrss, carried over fork and exec by Linux, reported the parent's peak: the
+    peak-memory test read 1.3-4 GiB high after the pytest process had held a vLLM engine)."""
+    held = bytearray(512 * 2**20)
+    held[::4096] = b"\1" * len(held[::4096])  # touch every page: resident
+    code = "from rlcli.loop.metrics import peak_mem_gb; print(peak_mem_gb())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert peak_mem_gb() > 0.5 and float(out.stdout) < 0.2, (peak_mem_gb(), out.stdout)

@@ -308,6 +308,7 @@ def test_step_time_expects_a_mean_response_length_beside_the_worst_case():
         validate(compose("model=qwen2.5-0.5b", "hw=1xgpu", "rollout.expected_response_len=2000"))
 
 
+@pytest.mark.slow
 def test_train_refuses_a_job_that_cannot_fit_before_loading_anything(tmp_path):
     run = tmp_path / "run"
     out = subprocess.run([sys.executable, "-m", "rlcli", "train", "hw.device_memory_gb=0.01", f"hydra.run.dir={run}"],

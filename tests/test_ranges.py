@@ -171,6 +171,7 @@ def test_free_fields_with_rules_fail_naming_the_field(cfg, key):
 NUMERIC = [(k, f) for k, f in leaves() if range_of(f) is not None and range_of(f).choices is None]
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(field=st.sampled_from(NUMERIC), data=st.data())
 def test_ranges_accept_exactly_the_finite_values_within_the_bounds(field, data):

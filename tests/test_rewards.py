@@ -273,6 +273,7 @@ def test_killed_worker_is_replaced(mv):
     assert victim not in mv.pool.pids() and out.metrics["reward/restarts"] == 1
 
 
+@pytest.mark.slow
 def test_worker_killed_mid_item_is_retried_once():
     cfg = RewardConfig(
         weights={"slow": 1.0, "die": 1.0},

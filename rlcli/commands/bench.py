@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,7 @@ def scoring_pass(chunk: int) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from rlcli.loop.metrics import peak_mem_gb
     from rlcli.models import response_logprobs
 
     s = SCORING_SHAPE
@@ -45,13 +45,13 @@ def scoring_pass(chunk: int) -> None:
                                          num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4)).eval()
     prompt = torch.randint(0, s["vocab"], (s["rows"], s["prompt"]))
     response = torch.randint(0, s["vocab"], (s["rows"], s["response"]))
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    before = peak_mem_gb()
     t0 = time.perf_counter()
     with torch.no_grad():
         response_logprobs(model, prompt, torch.ones_like(prompt), response, torch.ones_like(response), 1.0,
                           with_entropy=True, chunk=chunk)
     seconds = time.perf_counter() - t0
-    print(f"{(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 2**20:.3f} {seconds:.2f}")
+    print(f"{peak_mem_gb() - before:.3f} {seconds:.2f}")
 
 
 SHAPES = {

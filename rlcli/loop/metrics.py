@@ -12,6 +12,7 @@ import math
 import os
 import resource
 import shutil
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -114,8 +115,14 @@ class Timer:
 
 
 def peak_mem_gb() -> float:
-    """Peak resident memory of this process (CPU), in GiB."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    """Peak resident memory of this process (CPU), in GiB: the kernel's high-water mark of this program's own
+    memory (VmHWM). Not getrusage's ru_maxrss: Linux carries that across fork and exec, so a process started by
+    a larger one (torchrun's workers, a test's subprocess) reports at least its parent's peak."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 2**20  # kB
+    except (OSError, StopIteration):  # not Linux: ru_maxrss (bytes on macOS)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**30 if sys.platform == "darwin" else 2**20)
 
 
 def memory_metrics() -> dict[str, float]:
