@@ -1,5 +1,5 @@
 """`python -m rlcli` is `rlcli`."""
 
-from rlcli.commands.cli import main
+from rlcli.commands.cli import run
 
-main()
+run()

@@ -147,7 +147,7 @@ def test_warm_start_range_is_the_same_whatever_the_rl_data():
     """The tiny model's warm start trains on the data config's arith range for every data source, so
     `model=tiny data=gsm8k` reuses the warm start `rlcli sft` builds (not arith_examples' own defaults)."""
     from rlcli.models import warm_start_data
-    from rlcli.models.sft import task_args
+    from rlcli.models.cache import task_args
 
     assert task_args(**warm_start_data(make(["data=gsm8k"]).data)) == task_args(**warm_start_data(make().data))
     assert warm_start_data(make(["data=gsm8k", "data.max_digits=3"]).data)["max_digits"] == 3

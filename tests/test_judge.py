@@ -9,7 +9,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +22,7 @@ from test_checkpoint import finish, kill_tree, logged_step, start, wait_for
 from test_reward_rm import rollout
 
 from rlcli.core.schema import ConfigError
+from rlcli.core.topology import free_port
 from rlcli.loop import checkpoint as ckpt
 from rlcli.rewards.config import RewardConfig, validate
 from rlcli.rewards.judge import JudgeScorer, JudgeUnavailable, ServerJudge, parse_verdict
@@ -87,12 +87,6 @@ def scripted():
     yield make
     for s in made:
         s.close()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def judge_cfg(url, **kw):

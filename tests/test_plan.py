@@ -19,7 +19,7 @@ from rlcli.plan.activations import activation_elements_per_token, kv_cache_bytes
 from rlcli.plan.budget import fix_budget
 from rlcli.plan.estimate import BUDGET, estimate, with_overrides
 from rlcli.plan.fixes import fixes
-from rlcli.plan.inputs import measure_prompts, prompt_tokens
+from rlcli.plan.inputs import arith_bound, measure_prompts, prompt_tokens
 from rlcli.plan.report import render
 from rlcli.plan.shapes import Arch, arch_of, lora_param_count, param_count
 from rlcli.plan.states import GIB, model_states
@@ -349,6 +349,22 @@ def test_the_plan_uses_the_longest_prompt_measured_in_the_data(tmp_path):
     tokens, note = measure_prompts(cfg)
     assert (tokens, note) == (6, "measured: the longest of 4 train and eval prompts")
     assert estimate(cfg, (tokens, note)).shape["seq"] == 6 + cfg.rollout.max_new_tokens
+
+
+@pytest.mark.parametrize("digits", [(1, 1), (1, 3), (2, 2)])
+def test_the_arith_bound_is_the_longest_prompt_the_tiny_tokenizer_reads(digits):
+    """On the embedded arith task and the tiny model `rlcli train` plans with arith_bound and reads no data: it
+    equals the longest tokenized prompt of the train and eval splits (one token per character). With a
+    multi-turn environment (its tool schema is in the prompt) there is no such bound."""
+    from rlcli.data import load_split
+    from rlcli.models import load_tokenizer, tokenizer_source
+
+    cfg = compose(f"data.min_digits={digits[0]}", f"data.max_digits={digits[1]}")
+    tokenizer = load_tokenizer(tokenizer_source(cfg.model), False)
+    prompts = [e["prompt"] for split in ("train", "eval") for e in load_split(cfg.data, split, cfg.seed)[0]]
+    longest = max(len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"])
+    assert measure_prompts(cfg) == arith_bound(cfg) == (longest, "arith prompt at data.max_digits (1 char = 1 token)")
+    assert arith_bound(compose("recipe=tools/calculator")) is None
 
 
 @pytest.mark.slow

@@ -8,13 +8,9 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from rlcli.data.arith import arith_examples
+from rlcli.models.cache import task_args, warm_start_key
 from rlcli.models.config import CHARS, SPECIAL_TOKENS, TinyModelConfig, WarmStartConfig
-from rlcli.models.sft import (
-    sft_train,
-    task_args,
-    warm_start,
-    warm_start_key,
-)
+from rlcli.models.sft import sft_train, warm_start
 from rlcli.models.tiny import (
     build_tiny_model,
     build_tiny_tokenizer,

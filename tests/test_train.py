@@ -173,7 +173,7 @@ def test_cpu_x2_is_launched_by_rlcli_train(tmp_path):
 
 def one_update(tmp_path, name, nproc, extra=()):
     """The trainer's update on one fixed batch, in `nproc` processes; returns metrics and gradients."""
-    from rlcli.engine import free_port
+    from rlcli.core.topology import free_port
 
     cfg = compose(*FAST, f"hw.nproc={nproc}", *extra, run_dir=str(tmp_path / name))
     os.makedirs(cfg.run_dir, exist_ok=True)
@@ -319,7 +319,7 @@ def test_two_nodes_on_localhost_train_like_cpu_x2(tmp_path, x2_run):
     """Multi-node launch: two `rlcli train` commands, one per "node" (hw.nnodes=2, hw.node_rank=0|1, one
     process each, rendezvous at 127.0.0.1), train 3 steps as one world of 2 ranks, with the same step-1
     loss and statistics as hw=cpu_x2 (the same two ranks launched on one node)."""
-    from rlcli.engine import free_port
+    from rlcli.core.topology import free_port
 
     port = free_port()
     nodes = [subprocess.Popen(

@@ -167,7 +167,7 @@ def generate_once(tmp_path, name, *overrides):
 
     from omegaconf import OmegaConf
 
-    from rlcli.engine import free_port
+    from rlcli.core.topology import free_port
 
     cfg = compose(*FAST, "hw=cpu_x2", "rollout.engine=vllm", "data.eval_size=6", *overrides, run_dir=str(tmp_path / name))
     os.makedirs(cfg.run_dir, exist_ok=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 
 def offline_environment() -> None:
@@ -21,6 +21,28 @@ def offline_environment() -> None:
     # sys.path (rlcli/rewards/pool.py), torchrun workers run under `python -m`.
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
+
+
+def exit_now(code: int | str | None) -> NoReturn:
+    """End this process as the interpreter would, less its teardown of every loaded module: 1.3-1.7 s with torch,
+    transformers and DeepSpeed loaded (measured on 2 cores), paid by each launcher and each worker. First what a
+    normal exit does that matters: the other non-daemon threads are joined, the atexit handlers run (logging's
+    shutdown, which flushes the log files; weakref finalizers, such as the reward workers' and the vLLM engine's
+    shutdown; the logger backends'), stdout and stderr are flushed; a str `code` is printed and ends with status 1,
+    as SystemExit's does. For `rlcli` and the torchrun workers only: `main()` returns, for callers that go on."""
+    import atexit
+    import threading
+
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()  # what the interpreter runs at exit (no public name)
+    if isinstance(code, str):
+        print(code, file=sys.stderr)
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code or 0)
 
 
 def run_dir(cfg: Any) -> str:
@@ -62,7 +84,7 @@ def launch(frozen_config: str, hw: Any, job: str = "train") -> None:
 
     import psutil
 
-    from rlcli.engine import free_port
+    from rlcli.core.topology import free_port
 
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={hw.nproc}",

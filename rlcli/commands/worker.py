@@ -61,3 +61,6 @@ def _log_like_the_launcher() -> None:
 
 if __name__ == "__main__":
     main()
+    from rlcli.commands.launch import exit_now
+
+    exit_now(0)  # an error raised above ends the worker the usual way, with its traceback

@@ -34,3 +34,12 @@ def rollout_ranks(cfg: Any) -> int:
 def trainer_ranks(cfg: Any) -> int:
     """Data-parallel training ranks: the job's ranks minus the rollout ranks."""
     return world_size(cfg.hw) - rollout_ranks(cfg)
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now, so concurrent runs on one machine never collide."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from rlcli.config import mixed_precision
+from rlcli.core.topology import free_port
 
 
 def init_distributed(hw: Any) -> None:
@@ -76,15 +77,6 @@ def _join(hw: Any) -> None:
                                timeout=timedelta(seconds=hw.collective_timeout_s))
     if hw.device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on now, so concurrent runs on one machine never collide."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rank() -> int:

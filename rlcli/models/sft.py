@@ -44,12 +44,9 @@ On 1-3 digits with slip 0.6, 200 x 32 gives 39.5% greedy / 32% sampled (1 thread
 from __future__ import annotations
 
 import argparse
-import hashlib
-import inspect
 import json
 import logging
 import math
-import os
 import random
 import shutil
 import tempfile
@@ -64,9 +61,16 @@ from transformers import PreTrainedTokenizerBase, get_scheduler
 
 from rlcli.data.arith import arith_examples, is_correct
 from rlcli.data.config import DataConfig
+from rlcli.models.cache import (
+    WARM_START_VERSION,
+    cache_root,
+    cached_warm_start,
+    publish,
+    task_args,
+    warm_start_key,
+)
 from rlcli.models.config import WarmStartConfig
 from rlcli.models.tiny import (
-    TOKENIZER_DIR,
     TinyModelConfig,
     build_tiny_model,
     load_tiny_tokenizer,
@@ -74,9 +78,6 @@ from rlcli.models.tiny import (
 )
 
 log = logging.getLogger(__name__)
-
-WARM_START_VERSION = 1
-"""Bump when the code behind warm_start changes what it produces: it invalidates every cache."""
 
 SECONDS_PER_DEMO = 0.012
 """Wall seconds per demonstration of supervised training on 2 idle cores (200 x 32 took 65-90 s, module doc;
@@ -263,50 +264,6 @@ def max_response_tokens(tokenizer: PreTrainedTokenizerBase, examples: list[dict]
     )
 
 
-def task_args(**data_kwargs: Any) -> dict[str, Any]:
-    """`data_kwargs` with arith_examples' defaults filled in, so equal tasks share a cache key."""
-    bound = inspect.signature(arith_examples).bind("train", 0, **data_kwargs)  # TypeError if unknown
-    bound.apply_defaults()
-    return {k: v for k, v in bound.arguments.items() if k not in ("split", "size", "seed", "carry_slip")}
-
-
-def publish(tmp: Path, final: Path, marker: str) -> None:
-    """Rename the finished cache entry `tmp` (its `marker` file written last) to `final`; if a concurrent build got
-    there first, keep that equivalent entry and drop `tmp`."""
-    try:
-        os.rename(tmp, final)
-    except OSError:
-        if not (final / marker).exists():
-            raise
-        shutil.rmtree(tmp)
-
-
-def cache_root(ws_cfg: WarmStartConfig) -> Path:
-    """Where warm-start checkpoints live: cache_dir, else $RLCLI_CACHE, else ~/.cache/rlcli."""
-    root = ws_cfg.cache_dir or os.environ.get("RLCLI_CACHE") or "~/.cache/rlcli"
-    return Path(root).expanduser() / "warm_start"
-
-
-def warm_start_key(
-    tiny_cfg: TinyModelConfig, ws_cfg: WarmStartConfig, data_kwargs: dict[str, Any]
-) -> str:
-    """Hash of everything that shapes the warm-started model (cache_dir excluded)."""
-    # tool_demos=0 leaves the key of a warm start without tool demonstrations as it was before the knob existed
-    ws = {k: v for k, v in asdict(ws_cfg).items() if k != "cache_dir" and (k != "tool_demos" or v)}
-    tokenizer_hash = hashlib.sha256((TOKENIZER_DIR / "tokenizer.json").read_bytes()).hexdigest()
-    blob = json.dumps(
-        {
-            "version": WARM_START_VERSION,
-            "tiny": asdict(tiny_cfg),
-            "warm_start": ws,
-            "data": data_kwargs,
-            "tokenizer": tokenizer_hash,
-        },
-        sort_keys=True,
-    )
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
 def warm_start(
     tiny_cfg: TinyModelConfig,
     ws_cfg: WarmStartConfig,
@@ -320,13 +277,13 @@ def warm_start(
     `warm_start.json` with the measured accuracies and times. Training happens in a temp dir that
     is renamed into place at the end, so a crash never leaves a half-written cache entry.
     """
+    hit = cached_warm_start(tiny_cfg, ws_cfg, data_kwargs)
+    if hit is not None:
+        return hit
     data_kwargs = task_args(**data_kwargs)
     root = cache_root(ws_cfg)
     key = warm_start_key(tiny_cfg, ws_cfg, data_kwargs)
     final = root / key
-    if (final / "warm_start.json").exists():
-        log.info("warm start: cache hit %s", final)
-        return str(final)
     trains = ws_cfg.enabled and ws_cfg.steps > 0
     if trains:  # minutes on a loaded machine, before any other output of the run: say what is happening
         log.info("building the tiny model's warm start (once: cached under %s for later runs): %d steps of %d "

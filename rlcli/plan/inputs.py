@@ -11,15 +11,23 @@ from rlcli.plan.states import GIB
 def prompt_tokens(cfg: Any) -> tuple[int, str]:
     """Longest prompt, in tokens: data.max_prompt_len bounds it (longer prompts are dropped); the embedded arith
     task with its character tokenizer and the plain template has an exact, smaller bound."""
+    return arith_bound(cfg) or (cfg.data.max_prompt_len,
+                                "data.max_prompt_len, a bound: `rlcli train` measures the data's longest prompt")
+
+
+def arith_bound(cfg: Any) -> tuple[int, str] | None:
+    """The embedded arith task's longest prompt on the tiny model (1 character = 1 token, the plain template, no
+    multi-turn environment): the prompt of operands with data.max_digits digits, a bound that any such problem
+    reaches (tests/test_plan.py checks it against the tokenized data). None for any other set-up."""
     d = cfg.data
     tiny = cfg.model.path is None and cfg.model.gguf_file is None
-    if d.source == "arith" and tiny and d.template == "question" and d.chat != "always":
-        from rlcli.data.arith import make_example
+    if not (d.source == "arith" and tiny and d.template == "question" and d.chat != "always" and cfg.env.name is None):
+        return None
+    from rlcli.data.arith import make_example
 
-        longest = 10**d.max_digits - 1
-        n = max(len(make_example(longest, longest, op)["prompt"]) for op in "+-")
-        return min(n, d.max_prompt_len), "arith prompt at data.max_digits (1 char = 1 token)"
-    return d.max_prompt_len, "data.max_prompt_len, a bound: `rlcli train` measures the data's longest prompt"
+    longest = 10**d.max_digits - 1
+    n = max(len(make_example(longest, longest, op)["prompt"]) for op in "+-")
+    return min(n, d.max_prompt_len), "arith prompt at data.max_digits (1 char = 1 token)"
 
 
 def longest_prompt(tokenizer: Any, examples: list[dict[str, str]], env: Any = None) -> tuple[int, str]:
@@ -38,7 +46,11 @@ def longest_prompt(tokenizer: Any, examples: list[dict[str, str]], env: Any = No
 def measure_prompts(cfg: Any) -> tuple[int, str]:
     """longest_prompt over the run's train and eval splits, read as the trainer reads them (template, chat
     template, data.max_prompt_len filter) with the run's tokenizer; no weights are loaded (a GGUF file is
-    converted first: its tokenizer lives in the conversion)."""
+    converted first: its tokenizer lives in the conversion). The embedded arith task on the tiny model needs no
+    reading (arith_bound): the start of a default run then loads no tokenizer before its workers do."""
+    exact = arith_bound(cfg)
+    if exact is not None:
+        return exact
     import logging
 
     from rlcli.data import load_split

@@ -99,8 +99,8 @@ def sample_pairs(cfg: Any, model_path: str) -> tuple[Path, dict[str, Any]]:
 
     from rlcli.data.templates import use_chat_template
     from rlcli.models import load_tokenizer
+    from rlcli.models.cache import publish
     from rlcli.models.policy import DTYPES
-    from rlcli.models.sft import publish
     from rlcli.rewards import RewardConfig, RewardManager
     from rlcli.rewards.model import end_of_turn
     from rlcli.rollout.hf import generate

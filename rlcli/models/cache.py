@@ -1,0 +1,75 @@
+"""The embedded tiny model's warm starts on disk: a key of everything that shapes one, the directory it lives in,
+and whether it is there whole. torch-free (rlcli.models.source looks here before anything loads; sft.py builds
+what is missing)."""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import logging
+import os
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from rlcli.data.arith import arith_examples
+from rlcli.models.config import TOKENIZER_DIR, TinyModelConfig, WarmStartConfig
+
+log = logging.getLogger(__name__)
+
+WARM_START_VERSION = 1
+"""Bump when the code behind warm_start changes what it produces: it invalidates every cache."""
+
+def cached_warm_start(tiny_cfg: TinyModelConfig, ws_cfg: WarmStartConfig, data_kwargs: dict[str, Any]) -> str | None:
+    """The directory of this warm start if the cache holds it whole (its warm_start.json is written last), else None."""
+    final = cache_root(ws_cfg) / warm_start_key(tiny_cfg, ws_cfg, task_args(**data_kwargs))
+    if not (final / "warm_start.json").exists():
+        return None
+    log.info("warm start: cache hit %s", final)
+    return str(final)
+
+
+def task_args(**data_kwargs: Any) -> dict[str, Any]:
+    """`data_kwargs` with arith_examples' defaults filled in, so equal tasks share a cache key."""
+    bound = inspect.signature(arith_examples).bind("train", 0, **data_kwargs)  # TypeError if unknown
+    bound.apply_defaults()
+    return {k: v for k, v in bound.arguments.items() if k not in ("split", "size", "seed", "carry_slip")}
+
+
+def publish(tmp: Path, final: Path, marker: str) -> None:
+    """Rename the finished cache entry `tmp` (its `marker` file written last) to `final`; if a concurrent build got
+    there first, keep that equivalent entry and drop `tmp`."""
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if not (final / marker).exists():
+            raise
+        shutil.rmtree(tmp)
+
+
+def cache_root(ws_cfg: WarmStartConfig) -> Path:
+    """Where warm-start checkpoints live: cache_dir, else $RLCLI_CACHE, else ~/.cache/rlcli."""
+    root = ws_cfg.cache_dir or os.environ.get("RLCLI_CACHE") or "~/.cache/rlcli"
+    return Path(root).expanduser() / "warm_start"
+
+
+def warm_start_key(
+    tiny_cfg: TinyModelConfig, ws_cfg: WarmStartConfig, data_kwargs: dict[str, Any]
+) -> str:
+    """Hash of everything that shapes the warm-started model (cache_dir excluded)."""
+    # tool_demos=0 leaves the key of a warm start without tool demonstrations as it was before the knob existed
+    ws = {k: v for k, v in asdict(ws_cfg).items() if k != "cache_dir" and (k != "tool_demos" or v)}
+    tokenizer_hash = hashlib.sha256((TOKENIZER_DIR / "tokenizer.json").read_bytes()).hexdigest()
+    blob = json.dumps(
+        {
+            "version": WARM_START_VERSION,
+            "tiny": asdict(tiny_cfg),
+            "warm_start": ws,
+            "data": data_kwargs,
+            "tokenizer": tokenizer_hash,
+        },
+        sort_keys=True,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
