@@ -171,27 +171,67 @@ def test_cpu_x2_is_launched_by_rlcli_train(tmp_path):
     assert any("actor/pg_loss" in r for r in rows)
 
 
-def one_update(tmp_path, name, nproc, extra=()):
-    """The trainer's update on one fixed batch, in `nproc` processes; returns metrics and gradients."""
+def one_update(tmp_path, nproc, configs: dict[str, list[str]]) -> dict[str, dict]:
+    """The trainer's update on one fixed batch for each of `configs` (name -> overrides of FAST), all in one run of
+    tests/helpers/one_update.py in `nproc` processes (torchrun for 2): each one's metrics and gradients, by name."""
     from rlcli.core.topology import free_port
 
-    cfg = compose(*FAST, f"hw.nproc={nproc}", *extra, run_dir=str(tmp_path / name))
-    os.makedirs(cfg.run_dir, exist_ok=True)
-    frozen = tmp_path / f"{name}.yaml"
-    OmegaConf.save(cfg, frozen, resolve=True)
+    frozen = []
+    for name, extra in configs.items():
+        cfg = compose(*FAST, f"hw.nproc={nproc}", *extra, run_dir=str(tmp_path / name))
+        os.makedirs(cfg.run_dir, exist_ok=True)
+        frozen.append(str(tmp_path / f"{name}.yaml"))
+        OmegaConf.save(cfg, frozen[-1], resolve=True)
     script = str(ROOT / "tests" / "helpers" / "one_update.py")
     cmd = [sys.executable, script] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}", script]
-    out = subprocess.run([*cmd, str(frozen), str(tmp_path / f"{name}.pt")], capture_output=True, text=True,
-                         timeout=600, env=cli_env(tmp_path), cwd=tmp_path)
+    out = subprocess.run([*cmd, str(tmp_path / "updates.pt"), *frozen], capture_output=True, text=True,
+                         timeout=900, env=cli_env(tmp_path), cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    return torch.load(tmp_path / f"{name}.pt")
+    return torch.load(tmp_path / "updates.pt")
 
 
-@pytest.mark.parametrize("agg,algo", [("token_mean", "grpo"), ("seq_mean_token_mean", "grpo"),
-                                      ("seq_mean_token_sum", "grpo"), ("seq_sum_const", "grpo"),
-                                      ("token_mean", "reinforce_pp")])
-def test_two_processes_and_micro_batches_give_the_same_step(tmp_path, agg, algo):
+LOSS_CASES = [("token_mean", "grpo"), ("seq_mean_token_mean", "grpo"), ("seq_mean_token_sum", "grpo"),
+              ("seq_sum_const", "grpo"), ("token_mean", "reinforce_pp")]
+
+
+def loss_case(agg, algo):
+    # 1- to 3-digit operands: prompts of different lengths, so micro-batches trim prompt padding too.
+    return [f"algo={algo}", f"algo.loss_agg={agg}", "data.min_digits=1", "data.max_digits=3"]
+
+
+def auto_budget_memory() -> float:
+    """A device memory (GiB) with room for the activations of 4 of the longest FAST rows but not 5 (the plan's own
+    numbers), so that hw.max_tokens_per_micro_batch=auto splits the update."""
+    from rlcli.plan.estimate import BUDGET, estimate, with_overrides
+    from rlcli.plan.inputs import measure_prompts
+    from rlcli.plan.states import GIB
+
+    cfg = compose(*FAST)
+    prompt = measure_prompts(cfg)
+    seq = prompt[0] + cfg.rollout.max_new_tokens
+    at = [estimate(with_overrides(cfg, {BUDGET: rows * seq}), prompt).peak for rows in (4, 5)]
+    assert at[0] < at[1]  # the update's activations set the peak
+    return (at[0] + at[1]) / 2 / GIB
+
+
+@pytest.fixture(scope="module")
+def updates(tmp_path_factory):
+    """Every update this file compares, on one fixed batch: those of one process in one helper process, those of
+    two in one torchrun (one start-up each, not one per update)."""
+    one = {f"{agg}-{algo}": loss_case(agg, algo) for agg, algo in LOSS_CASES}
+    # Micro-batches of at most 3 rows and 100 token slots, packed longest first and trimmed of padding.
+    micro = {f"{name}-micro": [*extra, "hw.micro_batch=3", "hw.max_tokens_per_micro_batch=100"]
+             for name, extra in one.items()}
+    zero = {"zero0": [], "auto": [f"hw.device_memory_gb={auto_budget_memory()}"],
+            **{f"zero{stage}-micro": [f"hw.zero_stage={stage}", "hw.micro_batch=3"] for stage in (1, 2, 3)}}
+    single = one_update(tmp_path_factory.mktemp("one"), 1, {**one, **micro, **zero})
+    two = one_update(tmp_path_factory.mktemp("two"), 2, one)
+    return single | {f"{name}-two": result for name, result in two.items()}
+
+
+@pytest.mark.parametrize("agg,algo", LOSS_CASES)
+def test_two_processes_and_micro_batches_give_the_same_step(updates, agg, algo):
     """Same batch: 1 process with one micro-batch, 1 process with micro-batches of 3, and 2 processes
     must give the same step-1 loss and the same gradient (all-reduced, accumulated, before clipping), and
     log the same batch statistics (reward, accuracy, lengths, advantages: reduced over ranks, not rank 0's).
@@ -204,12 +244,7 @@ def test_two_processes_and_micro_batches_give_the_same_step(tmp_path, agg, algo)
     per-rank statistics its advantages (and adv/mean, adv/std) would differ. With the sequence-level modes the step-1 GRPO
     loss is a sum of group-centred advantages, zero up to rounding, hence the absolute 1e-7.
     """
-    # 1- to 3-digit operands: prompts of different lengths, so micro-batches trim prompt padding too.
-    extra = [f"algo={algo}", f"algo.loss_agg={agg}", "data.min_digits=1", "data.max_digits=3"]
-    base = one_update(tmp_path, "one", 1, extra)
-    # Micro-batches of at most 3 rows and 100 token slots, packed longest first and trimmed of padding.
-    micro = one_update(tmp_path, "micro", 1, [*extra, "hw.micro_batch=3", "hw.max_tokens_per_micro_batch=100"])
-    dist = one_update(tmp_path, "two", 2, extra)
+    base, micro, dist = (updates[f"{agg}-{algo}{kind}"] for kind in ("", "-micro", "-two"))
     assert base["metrics"]["actor/grad_norm"] > 0
     assert len(base["prompt_lengths"]) > 1, base["prompt_lengths"]  # micro-batches do trim prompts
     if (agg, algo) == ("token_mean", "grpo"):  # whitened REINFORCE++ advantages have mean 0: so has its loss
@@ -227,26 +262,11 @@ def test_two_processes_and_micro_batches_give_the_same_step(tmp_path, agg, algo)
             assert (other["grads"][n] - g).abs().max().item() <= 1e-5 * scale + 1e-12, n
 
 
-@pytest.fixture(scope="module")
-def one_batch_zero0(tmp_path_factory):
-    return one_update(tmp_path_factory.mktemp("zero0"), "one", 1)
-
-
-def test_the_auto_token_budget_splits_the_update_and_changes_nothing_else(tmp_path, one_batch_zero0):
+def test_the_auto_token_budget_splits_the_update_and_changes_nothing_else(updates):
     """hw.max_tokens_per_micro_batch=auto (the default) on a device with room for the activations of 4 of the
     longest rows but not 5 (the plan's own numbers): the update runs in several micro-batches, where this
     machine's 24 GiB take the whole batch in one, and its loss, entropy and gradient equal the one micro-batch's."""
-    from rlcli.plan.estimate import BUDGET, estimate, with_overrides
-    from rlcli.plan.inputs import measure_prompts
-    from rlcli.plan.states import GIB
-
-    cfg = compose(*FAST)
-    prompt = measure_prompts(cfg)
-    seq = prompt[0] + cfg.rollout.max_new_tokens
-    at = [estimate(with_overrides(cfg, {BUDGET: rows * seq}), prompt).peak for rows in (4, 5)]
-    assert at[0] < at[1]  # the update's activations set the peak
-    auto = one_update(tmp_path, "auto", 1, [f"hw.device_memory_gb={(at[0] + at[1]) / 2 / GIB}"])
-    base = one_batch_zero0
+    base, auto = updates["zero0"], updates["auto"]
     assert base["metrics"]["perf/micro_batches"] == 1 and auto["metrics"]["perf/micro_batches"] > 1
     for k in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
         assert auto["metrics"][k] == pytest.approx(base["metrics"][k], rel=1e-5, abs=1e-7), k
@@ -255,14 +275,13 @@ def test_the_auto_token_budget_splits_the_update_and_changes_nothing_else(tmp_pa
 
 
 @pytest.mark.parametrize("zero_stage", [1, 2, 3])
-def test_zero_stages_accumulate_micro_batches(tmp_path, zero_stage, one_batch_zero0):
+def test_zero_stages_accumulate_micro_batches(updates, zero_stage):
     """The loop runs forward passes on the module, not through DeepSpeed's engine.forward, where ZeRO's
     optimizers close a micro-step; without that each ZeRO-3 backward overwrote the gradient partitions and
     only the last micro-batch's gradient was applied (grad norm 1.54 instead of 2.95 here). One micro-batch
     at ZeRO-0 and micro-batches of 3 rows at ZeRO-1/2/3 must give the same gradient norm (1e-5 relative:
     summation order)."""
-    base = one_batch_zero0
-    micro = one_update(tmp_path, "micro", 1, [f"hw.zero_stage={zero_stage}", "hw.micro_batch=3"])
+    base, micro = updates["zero0"], updates[f"zero{zero_stage}-micro"]
     for k in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
         assert micro["metrics"][k] == pytest.approx(base["metrics"][k], rel=1e-5, abs=1e-7), k
 

@@ -1,11 +1,15 @@
-"""Run one update of the trainer on a fixed batch, in 1 or N processes (torchrun), and dump the
-step-1 metrics and the gradient of the update. Every rank generates the same full batch of P groups
-from the same seed, then keeps its own share of groups: the 1- and 2-process runs see the same data.
+"""Run one update of the trainer on a fixed batch for each of several configs, in 1 or N processes (torchrun), and
+dump each config's step-1 metrics and the gradient of its update. Every rank generates the same full batch of P
+groups from the same seed, then keeps its own share of groups: the 1- and 2-process runs see the same data. The
+configs run one after another in the same processes (one start-up for all of them).
 
-usage: [torchrun --nproc_per_node=2] one_update.py <frozen config.yaml> <out.pt>
+usage: [torchrun --nproc_per_node=2] one_update.py <out.pt> <frozen config.yaml> [<frozen config.yaml> ...]
+       -> out.pt: {config file stem: {"metrics", "grads", "prompt_lengths"}}
 """
 
+import gc
 import sys
+from pathlib import Path
 
 import torch
 
@@ -17,8 +21,8 @@ from rlcli.rollout.sampler import sampling_metrics
 from rlcli.rollout.shaping import shape
 
 
-def main() -> None:
-    cfg = load_frozen(sys.argv[1])
+def one_update(frozen: str) -> tuple[dict, int]:
+    cfg = load_frozen(frozen)
     t = Trainer(cfg)
     r = cfg.rollout
     torch.manual_seed(1234)
@@ -42,10 +46,18 @@ def main() -> None:
     counts = {f"dynamic_sampling/{k}": 0.0 for k in ("gen_batches", "generated_groups", "kept_groups", "carried")}
     metrics = {**sampling_metrics(b, [b], {}, counts | reward_counts), **t.learner.batch_metrics(b), **kl_metrics,
                **t.learner.update(b, phase)}
-    if t.rank == 0:
-        prompt_lengths = sorted(set(b.prompt_mask.sum(-1).long().tolist()))
-        torch.save({"metrics": metrics, "grads": grads, "prompt_lengths": prompt_lengths}, sys.argv[2])
+    prompt_lengths = sorted(set(b.prompt_mask.sum(-1).long().tolist()))
     t.rewards.close()
+    return {"metrics": metrics, "grads": grads, "prompt_lengths": prompt_lengths}, t.rank
+
+
+def main() -> None:
+    results = {}
+    for frozen in sys.argv[2:]:
+        results[Path(frozen).stem], rank = one_update(frozen)
+        gc.collect()  # the previous trainer's engines, before the next one's
+    if rank == 0:
+        torch.save(results, sys.argv[1])
 
 
 if __name__ == "__main__":
