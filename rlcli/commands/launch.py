@@ -29,9 +29,14 @@ def exit_now(code: int | str | None) -> NoReturn:
     normal exit does that matters: the other non-daemon threads are joined, the atexit handlers run (logging's
     shutdown, which flushes the log files; weakref finalizers, such as the reward workers' and the vLLM engine's
     shutdown; the logger backends'), stdout and stderr are flushed; a str `code` is printed and ends with status 1,
-    as SystemExit's does. For `rlcli` and the torchrun workers only: `main()` returns, for callers that go on."""
+    as SystemExit's does. For `rlcli` and the torchrun workers only: `main()` returns, for callers that go on.
+    A process that loaded vLLM exits the usual way: its CPU backend unlinks its shared-memory segments (/dev/shm) in
+    destructors that only the teardown runs, and a leaked one makes the next engine of that layout fail (EEXIST)."""
     import atexit
     import threading
+
+    if "vllm" in sys.modules:
+        raise SystemExit(code)
 
     for thread in threading.enumerate():
         if thread is not threading.main_thread() and not thread.daemon:
