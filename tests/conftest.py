@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 def pytest_collection_modifyitems(config, items):
     """Under xdist (`make test` runs two workers, each taking whole files), the longest files go first, so that no
     long file starts last while the other worker idles: tests/module_seconds.json holds each file's seconds on a
-    serial run (refresh: tests/helpers/module_seconds.py); a file it does not list goes after those it does."""
+    recorded run (refresh: tests/helpers/module_seconds.py); a file it does not list goes after those it does."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
     import json

@@ -1,7 +1,7 @@
 """Refresh tests/module_seconds.json (each test file's seconds, the order `make test` hands files to its workers)
-from a serial run's JUnit report:
+from a run's JUnit report (serial or on two workers: only the order matters):
 
-    .venv/bin/python -m pytest -q --junitxml=/tmp/junit.xml && .venv/bin/python tests/helpers/module_seconds.py /tmp/junit.xml
+    make test ARGS=--junitxml=/tmp/junit.xml; .venv/bin/python tests/helpers/module_seconds.py /tmp/junit.xml
 """
 
 import json
