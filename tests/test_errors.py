@@ -272,3 +272,32 @@ def test_the_docs_custom_reward_example_runs_as_written_from_a_working_folder(tm
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r[f"reward/{name}"] for r in rows if f"reward/{name}" in r] == [1.0]  # short responses: the worker scored
+
+
+EXIT = """import atexit, sys, threading, time
+from rlcli.commands.launch import exit_now
+sink = open(sys.argv[1], "w")  # a buffered file that the atexit handler closes
+atexit.register(lambda: (sink.write("closed by atexit"), sink.close()))
+threading.Thread(target=lambda: (time.sleep(0.3), print("thread done", flush=True))).start()
+print("buffered stdout", end="")
+sys.stderr.write("buffered stderr")
+{load}
+exit_now({code})
+"""
+
+
+@pytest.mark.parametrize("code,status", [("3", 3), ("None", 0), ("'a message'", 1)])
+def test_exit_now_ends_the_process_as_a_normal_exit_would(tmp_path, code, status):
+    """rlcli and its workers end with launch.exit_now (no module teardown): the other threads are joined, atexit
+    handlers run (here one closes a buffered file), stdout and stderr are flushed, the status is SystemExit's; a
+    process that loaded vLLM exits the usual way (its shared memory is released by the teardown) with that status."""
+    for load in ("", "sys.modules['vllm'] = sys  # as if vLLM were loaded"):
+        sink = tmp_path / f"sink{bool(load)}.txt"
+        out = subprocess.run([sys.executable, "-c", EXIT.format(load=load, code=code), str(sink)], capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == status, out.stderr
+        assert "buffered stdout" in out.stdout and "thread done" in out.stdout, out  # joined, then flushed
+        assert out.stderr.startswith("buffered stderr"), out
+        assert sink.read_text() == "closed by atexit"
+        if status == 1:
+            assert out.stderr.strip().endswith("a message")

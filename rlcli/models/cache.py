@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 WARM_START_VERSION = 1
 """Bump when the code behind warm_start changes what it produces: it invalidates every cache."""
 
+
 def cached_warm_start(tiny_cfg: TinyModelConfig, ws_cfg: WarmStartConfig, data_kwargs: dict[str, Any]) -> str | None:
     """The directory of this warm start if the cache holds it whole (its warm_start.json is written last), else None."""
     final = cache_root(ws_cfg) / warm_start_key(tiny_cfg, ws_cfg, task_args(**data_kwargs))
