@@ -274,8 +274,12 @@ def test_the_docs_custom_reward_example_runs_as_written_from_a_working_folder(tm
     assert [r[f"reward/{name}"] for r in rows if f"reward/{name}" in r] == [1.0]  # short responses: the worker scored
 
 
-EXIT = """import atexit, sys, threading, time
+EXIT = """import atexit, os, sys, threading, time
 from rlcli.commands.launch import exit_now
+class Teardown:  # collected by the interpreter's teardown of __main__, which exit_now skips
+    def __del__(self):
+        os.write(2, b" [torn down]")
+kept = Teardown()
 sink = open(sys.argv[1], "w")  # a buffered file that the atexit handler closes
 atexit.register(lambda: (sink.write("closed by atexit"), sink.close()))
 threading.Thread(target=lambda: (time.sleep(0.3), print("thread done", flush=True))).start()
@@ -288,9 +292,9 @@ exit_now({code})
 
 @pytest.mark.parametrize("code,status", [("3", 3), ("None", 0), ("'a message'", 1)])
 def test_exit_now_ends_the_process_as_a_normal_exit_would(tmp_path, code, status):
-    """rlcli and its workers end with launch.exit_now (no module teardown): the other threads are joined, atexit
-    handlers run (here one closes a buffered file), stdout and stderr are flushed, the status is SystemExit's; a
-    process that loaded vLLM exits the usual way (its shared memory is released by the teardown) with that status."""
+    """rlcli and its workers end with launch.exit_now, without the module teardown: the other threads are joined,
+    atexit handlers run (here one closes a buffered file), stdout and stderr are flushed, the status is SystemExit's.
+    A process that loaded vLLM exits the usual way, teardown included (its shared memory is released there)."""
     for load in ("", "sys.modules['vllm'] = sys  # as if vLLM were loaded"):
         sink = tmp_path / f"sink{bool(load)}.txt"
         out = subprocess.run([sys.executable, "-c", EXIT.format(load=load, code=code), str(sink)], capture_output=True,
@@ -299,5 +303,6 @@ def test_exit_now_ends_the_process_as_a_normal_exit_would(tmp_path, code, status
         assert "buffered stdout" in out.stdout and "thread done" in out.stdout, out  # joined, then flushed
         assert out.stderr.startswith("buffered stderr"), out
         assert sink.read_text() == "closed by atexit"
+        assert ("[torn down]" in out.stderr) == bool(load), out.stderr
         if status == 1:
-            assert out.stderr.strip().endswith("a message")
+            assert out.stderr.replace(" [torn down]", "").strip().endswith("a message"), out.stderr

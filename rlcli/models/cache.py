@@ -25,11 +25,16 @@ WARM_START_VERSION = 1
 
 def cached_warm_start(tiny_cfg: TinyModelConfig, ws_cfg: WarmStartConfig, data_kwargs: dict[str, Any]) -> str | None:
     """The directory of this warm start if the cache holds it whole (its warm_start.json is written last), else None."""
-    final = cache_root(ws_cfg) / warm_start_key(tiny_cfg, ws_cfg, task_args(**data_kwargs))
+    final = warm_start_dir(tiny_cfg, ws_cfg, data_kwargs)
     if not (final / "warm_start.json").exists():
         return None
     log.info("warm start: cache hit %s", final)
     return str(final)
+
+
+def warm_start_dir(tiny_cfg: TinyModelConfig, ws_cfg: WarmStartConfig, data_kwargs: dict[str, Any]) -> Path:
+    """Where this warm start lives in the cache: cache_root / its key."""
+    return cache_root(ws_cfg) / warm_start_key(tiny_cfg, ws_cfg, task_args(**data_kwargs))
 
 
 def task_args(**data_kwargs: Any) -> dict[str, Any]:

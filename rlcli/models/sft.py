@@ -63,11 +63,10 @@ from rlcli.data.arith import arith_examples, is_correct
 from rlcli.data.config import DataConfig
 from rlcli.models.cache import (
     WARM_START_VERSION,
-    cache_root,
     cached_warm_start,
     publish,
     task_args,
-    warm_start_key,
+    warm_start_dir,
 )
 from rlcli.models.config import WarmStartConfig
 from rlcli.models.tiny import (
@@ -281,9 +280,8 @@ def warm_start(
     if hit is not None:
         return hit
     data_kwargs = task_args(**data_kwargs)
-    root = cache_root(ws_cfg)
-    key = warm_start_key(tiny_cfg, ws_cfg, data_kwargs)
-    final = root / key
+    final = warm_start_dir(tiny_cfg, ws_cfg, data_kwargs)
+    root, key = final.parent, final.name
     trains = ws_cfg.enabled and ws_cfg.steps > 0
     if trains:  # minutes on a loaded machine, before any other output of the run: say what is happening
         log.info("building the tiny model's warm start (once: cached under %s for later runs): %d steps of %d "
