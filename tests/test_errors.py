@@ -306,3 +306,14 @@ def test_exit_now_ends_the_process_as_a_normal_exit_would(tmp_path, code, status
         assert ("[torn down]" in out.stderr) == bool(load), out.stderr
         if status == 1:
             assert out.stderr.replace(" [torn down]", "").strip().endswith("a message"), out.stderr
+
+
+def test_exit_now_names_a_thread_that_never_ends_instead_of_waiting_forever(tmp_path):
+    """A non-daemon thread still running after the join timeout: one error line naming it, status 1, and the
+    process ends (the interpreter's own exit would wait for it forever)."""
+    code = ("import threading\nfrom rlcli.commands.launch import exit_now\n"
+            "threading.Thread(target=threading.Event().wait, name='forever').start()\nexit_now(0, join_timeout_s=0.5)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.strip().splitlines()[-1] == ("rlcli: error: threads still running 0.5 s after the end, left "
+                                                   "behind: forever"), out.stderr

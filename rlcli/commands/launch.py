@@ -23,28 +23,38 @@ def offline_environment() -> None:
         sys.path.append(os.getcwd())
 
 
-def exit_now(code: int | str | None) -> NoReturn:
+def exit_now(code: int | str | None, join_timeout_s: float = 60.0) -> NoReturn:
     """End this process as the interpreter would, less its teardown of every loaded module: 1.3-1.7 s with torch,
     transformers and DeepSpeed loaded (measured on 2 cores), paid by each launcher and each worker. First what a
     normal exit does that matters: the other non-daemon threads are joined, the atexit handlers run (logging's
     shutdown, which flushes the log files; weakref finalizers, such as the reward workers' and the vLLM engine's
     shutdown; the logger backends'), stdout and stderr are flushed; a str `code` is printed and ends with status 1,
-    as SystemExit's does. For `rlcli` and the torchrun workers only: `main()` returns, for callers that go on.
+    as SystemExit's does. Where the interpreter would wait forever, threads still running after `join_timeout_s` are
+    named in an error and left behind (status 1 if it was 0). For `rlcli` and the torchrun workers only: `main()`
+    returns, for callers that go on.
     A process that loaded vLLM exits the usual way: its CPU backend unlinks its shared-memory segments (/dev/shm) in
     destructors that only the teardown runs, and a leaked one makes the next engine of that layout fail (EEXIST)."""
     import atexit
     import threading
+    import time
 
     if "vllm" in sys.modules:
         raise SystemExit(code)
 
+    deadline = time.monotonic() + join_timeout_s
+    stuck = []
     for thread in threading.enumerate():
         if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+            thread.join(max(0.0, deadline - time.monotonic()))
+            stuck += [thread.name] if thread.is_alive() else []
     atexit._run_exitfuncs()  # what the interpreter runs at exit (no public name)
     if isinstance(code, str):
         print(code, file=sys.stderr)
         code = 1
+    if stuck:  # where the interpreter would wait forever
+        print(f"rlcli: error: threads still running {join_timeout_s:g} s after the end, left behind: "
+              f"{', '.join(stuck)}", file=sys.stderr)
+        code = code or 1
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os._exit(code or 0)
