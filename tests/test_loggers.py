@@ -247,6 +247,17 @@ def test_validation_imports_no_logger_library():
     assert json.loads(out.stdout.strip().replace("'", '"')) == []
 
 
+def test_deepspeed_is_imported_without_mlflow_and_the_mlflow_logger_still_loads_it():
+    """DeepSpeed's autotuner tries `import mlflow` (1.3-1.5 s of CPU per process); rlcli's one import of DeepSpeed
+    (rlcli.engine.deepspeed_module) hides it, and afterwards mlflow imports as usual for `logger=mlflow`."""
+    code = ("import sys; from rlcli.engine import deepspeed_module; deepspeed_module();"
+            "from deepspeed.autotuning import autotuner; print(autotuner.has_mlflow, 'mlflow' in sys.modules);"
+            "import mlflow; print(callable(mlflow.log_metric))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-3:] == ["False", "False", "True"], out.stdout
+
 def test_missing_extra_in_process(monkeypatch):
     """validate itself raises the ConfigError (the CLI prints it as the one line above)."""
     import importlib.util

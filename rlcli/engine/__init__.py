@@ -36,6 +36,29 @@ def init_distributed(hw: Any) -> None:
         _join(hw)
 
 
+def deepspeed_module() -> Any:
+    """`import deepspeed`, without the `import mlflow` it makes on the way. DeepSpeed's package imports its autotuner
+    (deepspeed.runtime.config -> deepspeed.autotuning), whose module tries `import mlflow` for its own optional
+    tracking; with mlflow installed (rlcli's `logger=mlflow` uses it) that costs every process 1.3-1.5 s of CPU
+    (measured: `python -c "import deepspeed"` 2.8-3.2 s -> 1.6-1.9 s user time, 2 cores). rlcli never runs
+    DeepSpeed's autotuner, so for the first import `mlflow` reads as absent (a None entry in sys.modules makes its
+    import fail), and the entry is removed afterwards: a later `import mlflow` (the logger) loads it as usual, and a
+    process that had loaded mlflow before keeps it."""
+    import sys
+
+    if "deepspeed" in sys.modules:
+        return sys.modules["deepspeed"]
+    hidden = "mlflow" not in sys.modules
+    if hidden:
+        sys.modules["mlflow"] = None  # type: ignore[assignment]
+    try:
+        import deepspeed
+    finally:
+        if hidden and sys.modules.get("mlflow", 0) is None:
+            del sys.modules["mlflow"]
+    return deepspeed
+
+
 @contextmanager
 def quiet_build_probes() -> Iterator[None]:
     """Drop the compiler command lines DeepSpeed's op-compatibility probe echoes. The first read of
@@ -56,7 +79,7 @@ def quiet_build_probes() -> Iterator[None]:
 
 
 def _join(hw: Any) -> None:
-    import deepspeed
+    deepspeed_module()  # the first import, without mlflow
     import deepspeed.ops
 
     if hw.device == "cpu" and not hw.shm_comm:
@@ -141,7 +164,7 @@ class Engine:
         self, model: torch.nn.Module, hw: Any, optim: Any, total_steps: int,
         lr: float | None = None, warmup_steps: int | None = None,
     ):
-        import deepspeed
+        deepspeed_module()  # the first import, without mlflow
         import deepspeed.ops.adam
         from transformers import get_scheduler
 
@@ -294,7 +317,7 @@ def frozen_model(build: Callable[[], torch.nn.Module], hw: Any, optim: Any) -> t
     optimizer, so each rank holds a partition and forward passes gather layers as the policy's do."""
     if hw.zero_stage != 3:
         return _frozen(build())
-    import deepspeed
+    deepspeed = deepspeed_module()
 
     with sharded_construction(hw, optim):
         model = build()
@@ -337,7 +360,7 @@ def full_weights(module: torch.nn.Module, tied: bool = True) -> Iterator[tuple[s
     in-place reload needs lm_head.weight even when it is the input embedding), or with `tied=False` under
     its first name only (a checkpoint: transformers re-ties it on load). All ranks iterate it to the end
     together."""
-    import deepspeed
+    deepspeed = deepspeed_module()
 
     def entries(state: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
         return iter(state.items()) if tied else untied(state)
@@ -392,7 +415,7 @@ def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
 def load_full_state_dict(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Load a whole state dict (as `full_state_dict` saved it) into `module`. Under ZeRO-3 rank 0 writes
     each parameter while it is gathered and DeepSpeed re-partitions it. All ranks call it."""
-    import deepspeed
+    deepspeed = deepspeed_module()
 
     if not is_partitioned(module):
         module.load_state_dict(state)
