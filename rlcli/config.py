@@ -232,9 +232,16 @@ class HWConfig:
     layer for each forward and backward (GPU runs; needs hw.zero_stage=3)."""
     micro_batch: int = rng(32, ge=1)
     """Memory only: at most this many trajectories per forward/backward micro-batch (rows are packed
-    longest first and each micro-batch is trimmed of all-padding columns; perf/padding_frac)."""
+    longest first, a group's rows side by side when they share their prompt, and each micro-batch is trimmed of
+    all-padding columns; perf/padding_frac)."""
+    share_prompts: bool = True
+    """Scoring and the update run each group's prompt once per micro-batch: its responses attend to one copy of its
+    keys and values (a block attention mask; the prompt's gradient summed over its rows), equal to a forward per
+    row up to rounding. Needs an attention implementation that takes a custom mask (sdpa, eager); others run a
+    forward per row. false = a forward per row (the prompt recomputed for each response)."""
     max_tokens_per_micro_batch: int | str | None = rng("auto", ge=1, also=("auto",))
-    """Memory only: also cap a micro-batch's token slots, rows x (longest prompt + longest response).
+    """Memory only: also cap a micro-batch's token slots, rows x (longest prompt + longest response), or with
+    hw.share_prompts groups x (longest prompt + rows of the largest group x longest response).
     auto = the largest budget whose activations fit the device beside the model states, from the memory plan
     (`rlcli plan`, docs/memory.md) with the longest prompt measured in the data; no cap when hw.micro_batch rows
     fit; printed at start-up. null = no cap."""
@@ -523,6 +530,14 @@ def mixed_precision(hw: Any) -> bool:
     own bf16 path (DDP_BFLOAT16) would step the optimizer on the bf16 weights, with no fp32 master; at ZeRO >= 1
     DeepSpeed holds bf16 weights and an fp32 master partition itself."""
     return hw.precision == "bf16" and hw.zero_stage == 0
+
+
+def shares_prompts(cfg: Any) -> bool:
+    """Whether scoring and the update run each group's prompt once (hw.share_prompts with G > 1 and an attention
+    implementation that takes the block mask: sdpa, eager, or the library's default, sdpa). The learner decides the
+    same from the loaded model (rlcli.models.policy.sharing); the memory plan reads this."""
+    attention = cfg.model.attn_implementation
+    return cfg.hw.share_prompts and units(cfg).G > 1 and attention in (None, "sdpa", "eager")
 
 
 def trained_model(cfg: Any) -> Any:

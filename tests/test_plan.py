@@ -17,7 +17,7 @@ from conftest import ROOT, compose
 from rlcli.plan import roofline
 from rlcli.plan.activations import activation_elements_per_token, kv_cache_bytes, kv_token_bytes
 from rlcli.plan.budget import fix_budget
-from rlcli.plan.estimate import BUDGET, estimate, with_overrides
+from rlcli.plan.estimate import BUDGET, estimate, micro_slots, with_overrides
 from rlcli.plan.fixes import fixes
 from rlcli.plan.inputs import arith_bound, measure_prompts, prompt_tokens
 from rlcli.plan.report import render
@@ -321,16 +321,22 @@ def test_train_refuses_a_job_that_cannot_fit_before_loading_anything(tmp_path):
 
 def test_auto_budget_is_the_most_whole_rows_that_fit():
     """hw.max_tokens_per_micro_batch=auto (the default): no cap when hw.micro_batch rows fit; else the largest
-    number of the longest rows whose plan fits: r rows fit, r + 1 do not; fix_budget writes it into the config."""
+    number of the longest rows whose plan fits: r rows fit, r + 1 do not; fix_budget writes it into the config. The
+    budget counts the token positions the forward runs: with shared prompts (the default) each group's prompt once,
+    so 40 rows (5 groups of 8) take 5 x (13 + 8 x 48) positions, not 40 x 61."""
     cfg = compose("hw.micro_batch=64")  # the default task: 16 x 8 rows per mini-batch, 13 + 48 tokens each
     assert cfg.hw.max_tokens_per_micro_batch == "auto" and estimate(cfg).shape["budget"] is None  # 24 GiB: fits
-    seq = estimate(cfg).shape["seq"]
-    # Past 8 rows the update's activations outgrow the generate KV cache, so each row adds to the peak.
-    at = {rows: estimate(with_overrides(cfg, {BUDGET: rows * seq})).peak for rows in (40, 41)}
+    seq, tp = estimate(cfg).shape["seq"], estimate(cfg).shape["prompt"]
+    slots = {rows: micro_slots(cfg, tp, rows) for rows in (1, 40, 41, 48)}
+    assert (slots[1], slots[40], slots[41], slots[48]) == (seq, 5 * (tp + 8 * 48), 6 * (tp + 8 * 48), 6 * (tp + 8 * 48))
+    unshared = with_overrides(cfg, {"hw.share_prompts": False})
+    assert micro_slots(unshared, tp, 40) == 40 * seq
+    # Past 8 rows the update's activations outgrow the generate KV cache, so each group adds to the peak.
+    at = {rows: estimate(with_overrides(cfg, {BUDGET: slots[rows]})).peak for rows in (40, 41)}
     small = with_overrides(cfg, {"hw.device_memory_gb": (at[40] + at[41]) / 2 / GIB})
     plan = fix_budget(small, prompt_tokens(small))
-    assert (plan.shape["budget"], plan.shape["micro_rows"], plan.fits) == (40 * seq, 40, True)
-    assert small.hw.max_tokens_per_micro_batch == 40 * seq and "auto: 40 rows of 61 tokens" in render(small, plan)
+    assert (plan.shape["budget"], plan.shape["micro_rows"], plan.fits) == (slots[40], 40, True)
+    assert small.hw.max_tokens_per_micro_batch == slots[40] and "auto: 40 rows of 61 tokens" in render(small, plan)
     tiny_device = with_overrides(cfg, {"hw.device_memory_gb": 0.01})
     assert (estimate(tiny_device).shape["budget"], estimate(tiny_device).fits) == (seq, False)
 

@@ -195,22 +195,28 @@ LOSS_CASES = [("token_mean", "grpo"), ("seq_mean_token_mean", "grpo"), ("seq_mea
               ("seq_sum_const", "grpo"), ("token_mean", "reinforce_pp")]
 
 
+SHARED_CASES = {
+    **{algo: [f"algo={algo}", "data.min_digits=1", "data.max_digits=3", "hw.micro_batch=6"]
+       for algo in ("grpo", "dapo", "dr_grpo", "rloo", "reinforce_pp", "gspo", "cispo", "ppo", "vapo")},
+    "lora": ["model.lora.r=4", "data.min_digits=1", "data.max_digits=3"],
+}
+
+
 def loss_case(agg, algo):
     # 1- to 3-digit operands: prompts of different lengths, so micro-batches trim prompt padding too.
     return [f"algo={algo}", f"algo.loss_agg={agg}", "data.min_digits=1", "data.max_digits=3"]
 
 
 def auto_budget_memory() -> float:
-    """A device memory (GiB) with room for the activations of 4 of the longest FAST rows but not 5 (the plan's own
-    numbers), so that hw.max_tokens_per_micro_batch=auto splits the update."""
-    from rlcli.plan.estimate import BUDGET, estimate, with_overrides
+    """A device memory (GiB) with room for the activations of 4 of the longest FAST rows (one group) but not 5 (the
+    plan's own numbers), so that hw.max_tokens_per_micro_batch=auto splits the update."""
+    from rlcli.plan.estimate import BUDGET, estimate, micro_slots, with_overrides
     from rlcli.plan.inputs import measure_prompts
     from rlcli.plan.states import GIB
 
     cfg = compose(*FAST)
     prompt = measure_prompts(cfg)
-    seq = prompt[0] + cfg.rollout.max_new_tokens
-    at = [estimate(with_overrides(cfg, {BUDGET: rows * seq}), prompt).peak for rows in (4, 5)]
+    at = [estimate(with_overrides(cfg, {BUDGET: micro_slots(cfg, prompt[0], rows)}), prompt).peak for rows in (4, 5)]
     assert at[0] < at[1]  # the update's activations set the peak
     return (at[0] + at[1]) / 2 / GIB
 
@@ -225,8 +231,12 @@ def updates(tmp_path_factory):
              for name, extra in one.items()}
     zero = {"zero0": [], "auto": [f"hw.device_memory_gb={auto_budget_memory()}"],
             **{f"zero{stage}-micro": [f"hw.zero_stage={stage}", "hw.micro_batch=3"] for stage in (1, 2, 3)}}
-    single = one_update(tmp_path_factory.mktemp("one"), 1, {**one, **micro, **zero})
-    two = one_update(tmp_path_factory.mktemp("two"), 2, one)
+    # Each group's prompt once (hw.share_prompts, the default) against a forward per row, for every algorithm.
+    shared = {f"{name}-{kind}": [*extra, f"hw.share_prompts={kind == 'shared'}"]
+              for name, extra in SHARED_CASES.items() for kind in ("shared", "rows")}
+    single = one_update(tmp_path_factory.mktemp("one"), 1, {**one, **micro, **zero, **shared})
+    two = one_update(tmp_path_factory.mktemp("two"), 2, {**one, **{f"zero3-{kind}": [
+        "hw.zero_stage=3", "hw.micro_batch=3", f"hw.share_prompts={kind == 'shared'}"] for kind in ("shared", "rows")}})
     return single | {f"{name}-two": result for name, result in two.items()}
 
 
@@ -284,6 +294,33 @@ def test_zero_stages_accumulate_micro_batches(updates, zero_stage):
     base, micro = updates["zero0"], updates[f"zero{zero_stage}-micro"]
     for k in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
         assert micro["metrics"][k] == pytest.approx(base["metrics"][k], rel=1e-5, abs=1e-7), k
+
+
+@pytest.mark.parametrize("case", [*SHARED_CASES, "zero3"])
+def test_each_groups_prompt_once_gives_the_update_of_a_forward_per_row(updates, case):
+    """hw.share_prompts (the default: each group's prompt computed once per micro-batch, its responses attending to
+    that copy) against a forward per row, on the same batch, for every algorithm (PPO and VAPO: the critic's values,
+    value loss and gradient too), LoRA, and ZeRO-3 over two ranks: the same losses and statistics to 1e-6 relative
+    (1e-7 absolute for the zero-mean ones), and the same gradient to 1e-6 in relative L2 norm (measured 4-5e-7; each
+    tensor within 1e-5 of its largest entry, as the tests above: a prompt's gradient now sums its rows' contributions
+    inside one attention backward, in another order). Micro-batches of 6 rows (3 with ZeRO-3) hold one group of 4
+    whole and split another, so partial groups share too."""
+    suffix = "-two" if case == "zero3" else ""
+    shared, rows = updates[f"{case}-shared{suffix}"], updates[f"{case}-rows{suffix}"]
+    assert rows["metrics"]["actor/grad_norm"] > 0
+    keys = [k for k in rows["metrics"] if k.startswith(("actor/", "critic/", "adv/")) and not k.endswith("lr")]
+    assert {"actor/pg_loss", "actor/entropy"} <= set(keys) and (case not in ("ppo", "vapo") or "critic/vf_loss" in keys)
+    for k in keys:
+        assert shared["metrics"][k] == pytest.approx(rows["metrics"][k], rel=1e-6, abs=1e-7), k
+    for which in ("grads", "critic_grads"):
+        a, b = rows[which], shared[which]
+        assert a.keys() == b.keys() and (which == "grads" or case not in ("ppo", "vapo") or a)
+        if not a:
+            continue
+        gap = torch.cat([(b[n] - g).flatten() for n, g in a.items()]).norm()
+        assert gap <= 1e-6 * torch.cat([g.flatten() for g in a.values()]).norm(), which
+        for n, g in a.items():
+            assert (b[n] - g).abs().max().item() <= 1e-5 * g.abs().max().item() + 1e-12, n
 
 
 @pytest.mark.parametrize("zero_stage", [0, 3])

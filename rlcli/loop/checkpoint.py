@@ -61,7 +61,7 @@ MANIFEST = "manifest.json"
 # order of floating-point sums, so results then agree in distribution, not bit for bit.
 MAY_CHANGE = frozenset({
     "steps", "run_dir", "resume", "save", "data.report_bad_rows",
-    "hw.micro_batch", "hw.max_tokens_per_micro_batch", "hw.logits_chunk", "hw.num_threads", "hw.shm_comm", "hw.master_port",
+    "hw.micro_batch", "hw.max_tokens_per_micro_batch", "hw.logits_chunk", "hw.share_prompts", "hw.num_threads", "hw.shm_comm", "hw.master_port",
     "hw.collective_timeout_s", "hw.shutdown_timeout_s", "rollout.gen_batch_size", "reward.num_workers", "reward.rm.batch_size",
     "hw.device_memory_gb", "hw.check_memory",  # the memory check before training, not the run
     # where and how patiently the judge is asked, not what it answers (its replies are cached by request, never by URL)

@@ -52,6 +52,7 @@ from rlcli.models import (
     response_logprobs,
     response_outputs,
 )
+from rlcli.models.policy import prompt_runs, sharing
 from rlcli.models.value import (
     augmented_values,
     critic_loss,
@@ -59,6 +60,7 @@ from rlcli.models.value import (
     response_head_outputs,
     response_values,
 )
+from rlcli.plan.activations import forward_shape
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,12 @@ class Learner:
         # hw.logits_chunk only where the chunked pass reproduces the model's own logits (checked once here).
         with autocast(cfg.hw):
             self.chunk, self.chunk_note = logits_chunk_for(self.actor.module, cfg.hw.logits_chunk)
+        # hw.share_prompts where the attention implementation takes the block mask (rlcli.models.policy.Joint).
+        attention = getattr(self.actor.module.config, "_attn_implementation", None)
+        self.share = sharing(self.actor.module, cfg.hw.share_prompts) is not None
+        self.share_note = (f"each group's prompt once per micro-batch ({attention} attention, a block mask)" if self.share
+                           else "a forward per row (hw.share_prompts=false)" if not cfg.hw.share_prompts
+                           else f"a forward per row: {attention} attention takes no block mask")
 
     def load_teacher(self) -> torch.nn.Module:
         """The distillation teacher (distill.teacher): frozen, eval mode, in the student's dtype and precision, sharded
@@ -184,7 +192,7 @@ class Learner:
         model = self.actor.module if model is None else model
         t = self.cfg.rollout.temperature
         with eval_mode(model):
-            return self.per_token(lambda *x: response_logprobs(model, *x, t, chunk=self.chunk)[0], b)
+            return self.per_token(lambda *x: response_logprobs(model, *x, t, chunk=self.chunk, share=self.share)[0], b)
 
     def reference_logprobs(self, b: RolloutBatch) -> Tensor:
         """Log-probs of `b`'s responses under the reference policy (the initial one). -> [N, T]"""
@@ -196,7 +204,7 @@ class Learner:
     def values(self, critic: torch.nn.Module, b: RolloutBatch) -> Tensor:
         """Critic values at `b`'s response positions, in eval mode. -> [N, T]"""
         with eval_mode(critic):
-            return self.per_token(lambda *x: response_values(critic, *x), b)
+            return self.per_token(lambda *x: response_values(critic, *x, share=self.share), b)
 
     def score(self, batch: RolloutBatch, step: int, phase: Phase) -> dict[str, Tensor]:
         """-> {old_logp, ref_logp, values, adv_values} [N, T] each, those this phase uses. old_logp is the
@@ -273,8 +281,11 @@ class Learner:
                 mb_sums: dict[str, float] = defaultdict(float)
                 for i, idx in enumerate(micro):
                     mbi, last = mb.select(idx).trimmed(), i == len(micro) - 1
-                    slots += mbi.prompt_ids.numel() + mbi.response_ids.numel()
-                    real += float(mbi.prompt_mask.sum() + mbi.token_mask.sum())
+                    runs = prompt_runs(mbi.prompt_ids, mbi.prompt_mask)
+                    k, length = forward_shape(runs, mbi.prompt_ids.shape[1], mbi.response_ids.shape[1], self.share)
+                    slots += k * length
+                    prompts = mbi.prompt_mask if k == len(mbi) else mbi.prompt_mask[torch.tensor(runs).cumsum(0) - 1]
+                    real += float(prompts.sum() + mbi.token_mask.sum())  # each shared prompt once
                     m: dict[str, float] = {}
                     if engines["actor"] is not None:
                         loss, m = self.micro_loss(mbi, norms)
@@ -323,10 +334,10 @@ class Learner:
         inputs = (mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.token_mask)
         full_kl = self.teacher is not None and d.full_kl_coef > 0
         with autocast(self.cfg.hw):
-            teacher = response_log_softmax(self.teacher, *inputs, t) if full_kl else None  # [n, T, V]
+            teacher = response_log_softmax(self.teacher, *inputs, t, self.share) if full_kl else None  # [n, T, V]
             logp, entropy, kl_full = response_outputs(
                 self.actor.module, *inputs, t, with_entropy=True, entropy_grad=a.entropy_coef != 0, chunk=self.chunk,
-                kl_to=teacher,
+                kl_to=teacher, share=self.share,
             )  # [n, T] each, fp32
         old = logp.detach()  # on-policy: the ratio is exactly 1 and its gradient is ∇log π
         if self.off_policy == "bypass":
@@ -383,7 +394,7 @@ class Learner:
         mask = mb.loss_mask.to(self.device)
         with autocast(self.cfg.hw):
             head = response_head_outputs(self.critic.module, mb.prompt_ids, mb.prompt_mask, mb.response_ids,
-                                         mb.token_mask)  # [n, T, K] fp32
+                                         mb.token_mask, self.share)  # [n, T, K] fp32
         loss, cm = critic_loss(head, mb.values.to(self.device), mb.returns.to(self.device), mask,
                                self.critic.module.spec, self.cfg.algo.value_clip, norms["num_tokens"])
         share = mask.sum().item() / norms["num_tokens"]
@@ -394,23 +405,33 @@ class Learner:
 
     def micro_batches(self, b: RolloutBatch) -> list[Tensor]:
         """Row indices of `b` split into micro-batches of at most hw.micro_batch rows and, if set,
-        hw.max_tokens_per_micro_batch token slots (rows x (longest prompt + longest response) in the
-        micro-batch, after RolloutBatch.trimmed). Rows go longest first, so a micro-batch holds rows of
-        similar length and little padding (perf/padding_frac). Memory only: the math does not depend on it."""
+        hw.max_tokens_per_micro_batch token slots (the forward's positions after RolloutBatch.trimmed:
+        rlcli.plan.activations.forward_shape). Rows go longest first, so a micro-batch holds rows of similar length
+        and little padding (perf/padding_frac); with shared prompts a group's rows go side by side (groups by their
+        longest row), so that they share one forward of their prompt. Memory only: the math does not depend on it."""
         hw = self.cfg.hw
         tp, t = b.prompt_mask.sum(-1).long().tolist(), b.token_mask.sum(-1).long().tolist()
+        group = b.group_index.tolist()
         order = sorted(range(len(b)), key=lambda i: -(tp[i] + t[i]))  # stable: ties keep their order
+        if self.share:
+            rank: dict[int, int] = {}
+            for i in order:
+                rank.setdefault(group[i], len(rank))
+            order.sort(key=lambda i: rank[group[i]])
         parts: list[list[int]] = []
         width = (0, 0)  # longest prompt and response of the micro-batch being filled
+        rows: dict[int, int] = {}  # its rows per group
         for i in order:
             wider = (max(width[0], tp[i]), max(width[1], t[i]))
+            grown = {**rows, group[i]: rows.get(group[i], 0) + 1}
+            k, length = forward_shape(list(grown.values()), *wider, self.share)
             full = parts and (len(parts[-1]) == hw.micro_batch or (
-                hw.max_tokens_per_micro_batch and (len(parts[-1]) + 1) * sum(wider) > hw.max_tokens_per_micro_batch))
+                hw.max_tokens_per_micro_batch and k * length > hw.max_tokens_per_micro_batch))
             if not parts or full:
                 parts.append([])
-                wider = (tp[i], t[i])
+                wider, grown = (tp[i], t[i]), {group[i]: 1}
             parts[-1].append(i)
-            width = wider
+            width, rows = wider, grown
         if self.lockstep:  # every rank runs as many forward passes as the rank that needs most
             parts = split_to(parts, agree_max(len(parts)))
         return [torch.tensor(p, dtype=torch.long) for p in parts]

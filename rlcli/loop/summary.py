@@ -60,6 +60,7 @@ def startup_summary(t: Any) -> str:
         + (f", <= {hw.max_tokens_per_micro_batch} tokens" if hw.max_tokens_per_micro_batch else ""),
         f"    old-logprob pass     {old_logprob_pass(cfg, u.on_policy)}",
         f"    log-prob pass        {learner.chunk_note}",
+        f"    prompts              {learner.share_note}",
         f"  schedule       {cfg.steps} steps = {u.optimizer_steps} optimizer steps, lr {cfg.optim.lr} "
         f"({cfg.optim.scheduler}, warmup {cfg.optim.warmup_steps})",
         f"  lengths        max_new_tokens {r.max_new_tokens}, temperature {r.temperature}, "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -88,6 +89,102 @@ def joint_inputs(
     return {"input_ids": input_ids, "attention_mask": attn, "position_ids": position_ids}
 
 
+SHARING_ATTENTION = ("sdpa", "eager")
+"""The attention implementations that take a custom [k, 1, L, L] mask as it is (transformers' masking_utils returns a
+4D mask unchanged): the ones a shared-prompt forward runs on. flash_attention_2 and flex_attention do not."""
+
+
+def sharing(model: torch.nn.Module, share: bool) -> str | None:
+    """`model`'s attention implementation if `share` and it takes a shared-prompt forward's mask
+    (SHARING_ATTENTION), else None: the `attention` argument of `joint`."""
+    attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    return attention if share and attention in SHARING_ATTENTION else None
+
+
+def prompt_runs(prompt_ids: Tensor, prompt_mask: Tensor) -> list[int]:
+    """Lengths of the runs of consecutive rows with the same prompt (ids and mask, padding included): the rows a
+    shared-prompt forward gives one copy of their prompt. [n, Tp] -> k run lengths summing to n."""
+    n = prompt_ids.shape[0]
+    if n == 0:
+        return []
+    same = ((prompt_ids[1:] == prompt_ids[:-1]) & (prompt_mask[1:] == prompt_mask[:-1])).all(-1)  # [n-1]
+    starts = [0, *(torch.nonzero(~same).squeeze(-1) + 1).tolist(), n]
+    return [b - a for a, b in zip(starts, starts[1:])]
+
+
+@dataclass(frozen=True)
+class Joint:
+    """The model inputs of a micro-batch and where the output before each response token sits in them.
+
+    Separate rows (`runs` None): [n, Tp+T] sequences, prompt then response, as `joint_inputs` builds them.
+    Shared prompts: k sequences [k, L], L = Tp + g·T for runs of at most g rows with one prompt: the prompt once,
+    then each row's response in its own segment of T columns. The [k, 1, L, L] attention mask lets a response token
+    see the prompt's real tokens and the real tokens of its own segment up to itself, nothing else (every position
+    sees itself, so no attention row is empty); position ids are the separate rows' (a segment continues from the
+    prompt's length), so each response token's output is the one its own row would give, up to rounding, and the
+    prompt's gradient is the sum over its rows (autograd adds the segments' contributions)."""
+
+    inputs: dict[str, Tensor]  # input_ids, position_ids [k, L]; attention_mask [k, L] or [k, 1, L, L]
+    at: Tensor  # [n, T] index into the flattened [k·L] outputs of the state before each response token
+    tp: int
+    runs: list[int] | None = None
+
+    def pick(self, out: Tensor) -> Tensor:
+        """Outputs [k, L, ...] -> [n, T, ...] at the states before the response tokens."""
+        if self.runs is None:
+            return out[:, self.tp - 1 : -1]
+        return out.flatten(0, 1)[self.at.flatten()].unflatten(0, tuple(self.at.shape))
+
+    @property
+    def slots(self) -> int:
+        """Token positions the forward runs (padding included): n·(Tp+T), or k·L with shared prompts."""
+        return self.inputs["input_ids"].numel()
+
+
+def joint(
+    prompt_ids: Tensor,  # [n, Tp] left-padded
+    prompt_mask: Tensor,  # [n, Tp]
+    response_ids: Tensor,  # [n, T] right-padded
+    token_mask: Tensor,  # [n, T]
+    device: torch.device,
+    attention: str | None = None,
+) -> Joint:
+    """The `Joint` layout of a micro-batch: runs of rows with one prompt share it when `attention` (the model's
+    attention implementation) is one of SHARING_ATTENTION, else (or when no two neighbours share a prompt) one
+    sequence per row."""
+    n, tp = prompt_ids.shape
+    t = response_ids.shape[1]
+    runs = prompt_runs(prompt_ids, prompt_mask) if attention in SHARING_ATTENTION else None
+    if runs is None or len(runs) == n:
+        return Joint(joint_inputs(prompt_ids, prompt_mask, response_ids, token_mask, device), torch.empty(0), tp)
+    k, g = len(runs), max(runs)
+    width = tp + g * t  # L
+    sizes = torch.tensor(runs)
+    first = sizes.cumsum(0) - sizes  # [k] first row of each run
+    run_of = torch.repeat_interleave(torch.arange(k), sizes)  # [n]
+    segment = torch.arange(n) - first[run_of]  # [n] the row's place in its run
+    cols = tp + segment[:, None] * t + torch.arange(t)  # [n, T] its response's columns
+    ids = torch.zeros(k, width, dtype=prompt_ids.dtype)
+    real = torch.zeros(k, width, dtype=torch.bool)
+    pos = torch.zeros(k, width, dtype=torch.long)
+    ids[:, :tp], real[:, :tp] = prompt_ids[first], prompt_mask[first].bool()
+    pos[:, :tp] = (prompt_mask[first].long().cumsum(-1) - 1).clamp(min=0)
+    rows = run_of[:, None].expand(n, t)
+    ids[rows, cols], real[rows, cols] = response_ids, token_mask.bool()
+    pos[rows, cols] = (prompt_mask[first].long().sum(-1)[run_of, None] + token_mask.long().cumsum(-1) - 1).clamp(min=0)
+    seg_of_col = torch.cat([torch.full((tp,), -1), torch.arange(g).repeat_interleave(t)])  # [L]; -1: the prompt
+    causal = torch.ones(width, width, dtype=torch.bool).tril()  # [L query, L key]
+    visible = causal & ((seg_of_col[None, :] == -1) | (seg_of_col[None, :] == seg_of_col[:, None]))  # [L, L]
+    allowed = (real[:, None, :] & visible) | torch.eye(width, dtype=torch.bool)  # [k, L, L]
+    if attention == "eager":  # an additive mask: eager attention adds it to the scores
+        mask = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    else:  # sdpa: True where a query attends
+        mask = allowed
+    at = run_of[:, None] * width + torch.where(torch.arange(t) == 0, tp - 1, cols - 1)  # [n, T]
+    inputs = {"input_ids": ids.to(device), "attention_mask": mask[:, None].to(device), "position_ids": pos.to(device)}
+    return Joint(inputs, at.to(device), tp, runs)
+
+
 def response_logprobs(
     model: torch.nn.Module,
     prompt_ids: Tensor,  # [n, Tp]
@@ -98,6 +195,7 @@ def response_logprobs(
     with_entropy: bool = False,
     entropy_grad: bool = False,
     chunk: int = 0,
+    share: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs of the response tokens under `model`, logits divided by the sampling temperature.
 
@@ -110,9 +208,12 @@ def response_logprobs(
     kept: the fp32 logits alive at once are [n, chunk, V], never [n, Tp+T, V]. That is exact only for a
     model whose logits are its output projection of the last hidden state: pass the chunk that
     `logits_chunk_for` returned, which is 0 for other models.
+
+    With `share`, rows next to each other with the same prompt (a group's G responses) share one forward of it
+    (`Joint`, where the model's attention implementation takes its mask): the same outputs up to rounding.
     """
     logp, entropy, _ = response_outputs(model, prompt_ids, prompt_mask, response_ids, token_mask, temperature,
-                                        with_entropy, entropy_grad, chunk)
+                                        with_entropy, entropy_grad, chunk, share=share)
     return logp, entropy
 
 
@@ -127,19 +228,19 @@ def response_outputs(
     entropy_grad: bool = False,
     chunk: int = 0,
     kl_to: Tensor | None = None,  # [n, T, V] another policy's log-softmax at the same temperature, no grad
+    share: bool = False,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """`response_logprobs`' one pass, and with `kl_to` also the exact reverse KL to that policy at every response
     position, KL(π ‖ π_other)_t = Σ_v π(v) (log π(v) − log π_other(v)) over the whole vocabulary, in the graph
     (on-policy distillation's full-vocabulary term, distill.full_kl_coef). -> (logp, entropy or None, kl or None),
     [n, T] each."""
     device = next(model.parameters()).device
-    tp = prompt_ids.shape[1]
-    inputs = joint_inputs(prompt_ids, prompt_mask, response_ids, token_mask, device)
+    layout = joint(prompt_ids, prompt_mask, response_ids, token_mask, device, sharing(model, share))
     targets = response_ids.to(device)  # [n, T]
     if not chunk:
-        logits = model(**inputs, use_cache=False).logits[:, tp - 1 : -1]  # [n, T, V] predicts response tokens
+        logits = layout.pick(model(**layout.inputs, use_cache=False).logits)  # [n, T, V] predicts response tokens
         return _token_outputs(logits, targets, temperature, with_entropy, entropy_grad, kl_to)
-    hidden = model.get_decoder()(**inputs, use_cache=False).last_hidden_state[:, tp - 1 : -1]  # [n, T, H]
+    hidden = layout.pick(model.get_decoder()(**layout.inputs, use_cache=False).last_hidden_state)  # [n, T, H]
     head = model.get_output_embeddings()
 
     def part(h: Tensor, y: Tensor, other: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:  # [n, c, H], [n, c] -> [n, c]
@@ -158,13 +259,13 @@ def response_outputs(
 
 
 def response_log_softmax(model: torch.nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
-                         token_mask: Tensor, temperature: float) -> Tensor:
+                         token_mask: Tensor, temperature: float, share: bool = False) -> Tensor:
     """The whole next-token distribution at every response position, log_softmax(logits / temperature) in fp32,
     without grad: the `kl_to` of `response_outputs` (a distillation teacher's). -> [n, T, V]"""
     device = next(model.parameters()).device
-    inputs = joint_inputs(prompt_ids, prompt_mask, response_ids, token_mask, device)
+    layout = joint(prompt_ids, prompt_mask, response_ids, token_mask, device, sharing(model, share))
     with torch.no_grad():
-        logits = model(**inputs, use_cache=False).logits[:, prompt_ids.shape[1] - 1 : -1]  # [n, T, V]
+        logits = layout.pick(model(**layout.inputs, use_cache=False).logits)  # [n, T, V]
         return torch.log_softmax(logits.float() / temperature, -1)
 
 

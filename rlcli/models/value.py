@@ -268,20 +268,20 @@ def response_head_outputs(
     prompt_mask: Tensor,  # [n, Tp]
     response_ids: Tensor,  # [n, T]
     token_mask: Tensor,  # [n, T] RolloutBatch.token_mask
+    share: bool = False,
 ) -> Tensor:
     """Raw head outputs [n, T, K] for the state before each response token; 0 at masked positions.
 
-    Same concatenation, position ids and slice as `rlcli.models.response_logprobs`: the hidden
-    state at position tp-1+t has seen the prompt and response tokens < t, and position ids count
-    only real tokens, so extra left padding of a prompt changes nothing.
+    Same layout (`rlcli.models.policy.joint`: shared prompts with `share`), position ids and positions as
+    `rlcli.models.response_logprobs`: the hidden state before token t has seen the prompt and response tokens < t,
+    and position ids count only real tokens, so extra left padding of a prompt changes nothing.
     """
-    from rlcli.models import joint_inputs
+    from rlcli.models.policy import joint, sharing
 
     device = next(critic.parameters()).device
-    tp = prompt_ids.shape[1]
-    inputs = joint_inputs(prompt_ids, prompt_mask, response_ids, token_mask, device)
-    head_out = critic(**inputs, return_head_outputs=True)
-    head_out = head_out[:, tp - 1 : -1].float()  # [n, T, K] state before each response token (fp32 under autocast)
+    layout = joint(prompt_ids, prompt_mask, response_ids, token_mask, device, sharing(critic, share))
+    head_out = critic(**layout.inputs, return_head_outputs=True)
+    head_out = layout.pick(head_out).float()  # [n, T, K] state before each response token (fp32 under autocast)
     valid = token_mask.to(device).bool()[..., None]  # [n, T, 1]
     return torch.where(valid, head_out, torch.zeros_like(head_out))
 
@@ -292,9 +292,10 @@ def response_values(
     prompt_mask: Tensor,  # [n, Tp]
     response_ids: Tensor,  # [n, T]
     token_mask: Tensor,  # [n, T] RolloutBatch.token_mask
+    share: bool = False,
 ) -> Tensor:
     """Values [n, T] float32 of the state before each response token; exactly 0 at masked positions."""
-    head_out = response_head_outputs(critic, prompt_ids, prompt_mask, response_ids, token_mask)  # [n, T, K]
+    head_out = response_head_outputs(critic, prompt_ids, prompt_mask, response_ids, token_mask, share)  # [n, T, K]
     values = critic.spec.reduce(head_out)  # [n, T]
     valid = token_mask.to(values.device).bool()
     return torch.where(valid, values, torch.zeros_like(values))

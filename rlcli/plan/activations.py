@@ -32,14 +32,32 @@ def activation_bytes(arch: Arch, rows: int, seq: int, act_bytes: int, checkpoint
     return kept + block + final
 
 
-def logits_bytes(arch: Arch, rows: int, prompt: int, response: int, chunk: int, act_bytes: int) -> float:
+def forward_shape(group_rows: list[int], prompt: int, response: int, share: bool) -> tuple[int, int]:
+    """(sequences, length) of one forward over rows in groups of `group_rows` rows with the same prompt, padded to the
+    longest prompt and response: a sequence of prompt + response per row, or with shared prompts (hw.share_prompts)
+    one per group, its prompt then each of its rows' responses (rlcli.models.policy.Joint)."""
+    if share and any(g > 1 for g in group_rows):
+        return len(group_rows), prompt + max(group_rows) * response
+    return sum(group_rows), prompt + response
+
+
+def micro_shape(rows: int, group: int, prompt: int, response: int, share: bool) -> tuple[int, int]:
+    """`forward_shape` of a micro-batch of `rows` rows from groups of `group` (G): whole groups, then the rest."""
+    sizes = [group] * (rows // group) + ([rows % group] if rows % group else [])
+    return forward_shape(sizes, prompt, response, share)
+
+
+def logits_bytes(arch: Arch, rows: int, prompt: int, response: int, chunk: int, act_bytes: int,
+                 positions: int | None = None) -> float:
     """The log-prob pass's vocabulary projection: the head's output in the activation dtype plus four fp32
     copies (the upcast logits / temperature, their log-softmax, its gradient, the entropy's softmax) of
-    [rows, chunk, vocab]; chunk 0 = the whole sequence, whose head output spans prompt + response."""
+    [rows, chunk, vocab]; chunk 0 = the whole sequence, whose head output spans the forward's `positions` (default
+    rows x (prompt + response); fewer with shared prompts)."""
     if chunk:
         c = min(chunk, response)
         return rows * c * arch.vocab * (act_bytes + 16)
-    return rows * arch.vocab * ((prompt + response) * act_bytes + response * 16)
+    positions = rows * (prompt + response) if positions is None else positions
+    return arch.vocab * (positions * act_bytes + rows * response * 16)
 
 
 def kv_cache_bytes(arch: Arch, rows: int, seq: int, kv_bytes: int) -> float:

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlcli.plan.activations import activation_bytes, kv_cache_bytes, kv_token_bytes, logits_bytes
+from rlcli.plan.activations import activation_bytes, kv_cache_bytes, kv_token_bytes, logits_bytes, micro_shape
 from rlcli.plan.inputs import device_memory, prompt_tokens
 from rlcli.plan.shapes import (
     Arch,
@@ -79,14 +79,27 @@ def auto_budget(cfg: Any, prompt: tuple[int, str]) -> Plan:
     if whole.peak <= whole.device:  # (a blocker, if any, stays in the plan: it is not the micro-batch's doing)
         return whole
     seq = whole.shape["seq"]
-    rows = largest(lambda n: _estimate(cfg, prompt, n * seq, "").peak <= whole.device, 1, whole.shape["micro_rows"] - 1)
+
+    def slots(rows: int) -> int:
+        return micro_slots(cfg, prompt[0], rows)
+
+    rows = largest(lambda n: _estimate(cfg, prompt, slots(n), "").peak <= whole.device, 1, whole.shape["micro_rows"] - 1)
     if rows is None:
-        return _estimate(cfg, prompt, seq, f"auto: not even one row of {seq} tokens fits")
-    return _estimate(cfg, prompt, rows * seq, f"auto: {rows} rows of {seq} tokens, the most that fit")
+        return _estimate(cfg, prompt, slots(1), f"auto: not even one row of {seq} tokens fits")
+    return _estimate(cfg, prompt, slots(rows), f"auto: {rows} rows of {seq} tokens, the most that fit")
+
+
+def micro_slots(cfg: Any, prompt: int, rows: int) -> int:
+    """Token positions a forward over a micro-batch of `rows` rows runs (rows x (prompt + max_new_tokens), or fewer
+    with shared prompts: rlcli.plan.activations.micro_shape), what hw.max_tokens_per_micro_batch caps."""
+    from rlcli.config import shares_prompts, units
+
+    k, length = micro_shape(rows, units(cfg).G, prompt, cfg.rollout.max_new_tokens, shares_prompts(cfg))
+    return k * length
 
 
 def _estimate(cfg: Any, prompt: tuple[int, str], budget: int | None, budget_note: str) -> Plan:
-    from rlcli.config import mixed_precision, units
+    from rlcli.config import mixed_precision, shares_prompts, units
     from rlcli.core.names import NEEDS_VALUES
     from rlcli.core.topology import trainer_ranks
 
@@ -151,7 +164,8 @@ def _estimate(cfg: Any, prompt: tuple[int, str], budget: int | None, budget_note
     if cfg.distill.teacher:
         rows["teacher"], notes["teacher"], host = teacher_bytes(cfg, arch, wbytes, world, host)
 
-    # The update: micro-batches of at most hw.micro_batch rows of the per-rank mini-batch, capped in tokens.
+    # The update: micro-batches of at most hw.micro_batch rows of the per-rank mini-batch, capped in token slots (with
+    # shared prompts a micro-batch of whole groups runs each group's prompt once: fewer, longer sequences).
     u = units(cfg)
     p, g = u.P, u.G
     tp, tp_note = prompt
@@ -159,12 +173,14 @@ def _estimate(cfg: Any, prompt: tuple[int, str], budget: int | None, budget_note
     mini_rows = max(1, p // world // a.mini_batches * g)
     mb = min(hw.micro_batch, mini_rows)
     if budget:
-        mb = max(1, min(mb, budget // seq))
-    rows["activations"] = activation_bytes(arch, mb, seq, activation_element_bytes(hw), m.gradient_checkpointing)
-    notes["activations"] = (f"[{mb} rows, {seq} tokens], "
-                            f"{'gradient checkpointing' if m.gradient_checkpointing else 'no checkpointing'}"
+        mb = largest(lambda n: micro_slots(cfg, tp, n) <= budget, 1, mb) or 1
+    k, length = micro_shape(mb, g, tp, r.max_new_tokens, shares_prompts(cfg))
+    rows["activations"] = activation_bytes(arch, k, length, activation_element_bytes(hw), m.gradient_checkpointing)
+    notes["activations"] = (f"[{k} sequences, {length} tokens]"
+                            + (f" ({mb} rows, each group's prompt once)" if k < mb else "") + ", "
+                            + f"{'gradient checkpointing' if m.gradient_checkpointing else 'no checkpointing'}"
                             + (", counted at fp32's 4 B under autocast (a bound)" if mixed_precision(hw) else ""))
-    rows["logits chunk"] = logits_bytes(arch, mb, tp, r.max_new_tokens, hw.logits_chunk, act_bytes)
+    rows["logits chunk"] = logits_bytes(arch, mb, tp, r.max_new_tokens, hw.logits_chunk, act_bytes, k * length)
     c = min(hw.logits_chunk, r.max_new_tokens) if hw.logits_chunk else seq
     notes["logits chunk"] = f"fp32 [{mb}, {c}, {arch.vocab}] x 4 + head output"
     if cfg.distill.teacher and cfg.distill.full_kl_coef > 0:  # the teacher's whole distributions, held for the update

@@ -4,7 +4,7 @@ groups from the same seed, then keeps its own share of groups: the 1- and 2-proc
 configs run one after another in the same processes (one start-up for all of them).
 
 usage: [torchrun --nproc_per_node=2] one_update.py <out.pt> <frozen config.yaml> [<frozen config.yaml> ...]
-       -> out.pt: {config file stem: {"metrics", "grads", "prompt_lengths"}}
+       -> out.pt: {config file stem: {"metrics", "grads", "critic_grads", "prompt_lengths"}}
 """
 
 import gc
@@ -33,22 +33,23 @@ def one_update(frozen: str) -> tuple[dict, int]:
     b = b.select_groups(b.groups[t.rank :: t.units.world])  # this rank's share of whole groups
     phase = rl_phase(cfg)
     b = b.replace(**t.learner.score(b, 1, phase))
-    grads: dict[str, torch.Tensor] = {}
-    actor = t.learner.actor
-    apply = actor.step
+    grads: dict[str, dict[str, torch.Tensor]] = {"grads": {}, "critic_grads": {}}
+    for key, engine in (("grads", t.learner.actor), ("critic_grads", t.learner.critic)):
+        if engine is None:
+            continue
 
-    def step():  # the all-reduced, accumulated gradient, as the optimizer is about to see it
-        grads.update({n: p.grad.clone() for n, p in actor.module.named_parameters() if p.grad is not None})
-        return apply()
+        def step(engine=engine, apply=engine.step, into=grads[key]):  # the all-reduced, accumulated gradient,
+            into.update({n: p.grad.clone() for n, p in engine.module.named_parameters() if p.grad is not None})
+            return apply()  # as the optimizer is about to see it
 
-    actor.step = step
+        engine.step = step
     b, kl_metrics = t.advantage(b, 1, phase)
     counts = {f"dynamic_sampling/{k}": 0.0 for k in ("gen_batches", "generated_groups", "kept_groups", "carried")}
     metrics = {**sampling_metrics(b, [b], {}, counts | reward_counts), **t.learner.batch_metrics(b), **kl_metrics,
                **t.learner.update(b, phase)}
     prompt_lengths = sorted(set(b.prompt_mask.sum(-1).long().tolist()))
     t.rewards.close()
-    return {"metrics": metrics, "grads": grads, "prompt_lengths": prompt_lengths}, t.rank
+    return {"metrics": metrics, **grads, "prompt_lengths": prompt_lengths}, t.rank
 
 
 def main() -> None:
