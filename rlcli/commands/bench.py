@@ -114,7 +114,10 @@ def train_steps(overrides: list[str], steps: int = STEPS) -> dict[str, float]:
     out["trajectories"] = trainer.units.N
     out["groups"] = trainer.units.P
     out["ranks"] = cfg.hw.nproc * cfg.hw.nnodes
-    out["tokens_per_step"] = out["trajectories"] * (out["prompt_length/mean"] + out["response_length/mean"])
+    out["shared"] = learner.share  # hw.share_prompts in effect: each group's prompt once in scoring and the update
+    g, tp, t = out["trajectories"] / out["groups"], out["prompt_length/mean"], out["response_length/mean"]
+    out["tokens_per_step"] = out["trajectories"] * (tp + t)
+    out["forward_tokens_per_step"] = out["groups"] * (tp + g * t) if learner.share else out["tokens_per_step"]
     out["peak_mem_gb"] = peak_mem_gb()
     return out
 
@@ -176,20 +179,23 @@ def stage_rates(res: dict[str, dict[str, float]], peak: float) -> str:
     """Each stage's achieved GFLOP/s and its share of the matmul peak, per engine; forward tokens per group with and
     without a shared prompt. FLOPs: 2Ψ per token of a forward pass, 6Ψ of a forward and backward (attention's own,
     small at these lengths, left out): rollout = prefill + decoding of every row (2Ψ x its prompt and response
-    tokens), scoring = 2Ψ x the same tokens per scoring pass, update = 6Ψ x them."""
+    tokens), scoring = 2Ψ x the tokens its forwards run per scoring pass, update = 6Ψ x them (with hw.share_prompts
+    each group's prompt once: P x (prompt + G x response), else N x (prompt + response))."""
     first = next(iter(res.values()))
     lines = [f"{'matmul peak, ' + first['precision']:<34}{peak:>22.0f} GFLOP/s (2048^3, best of 5, this machine)"]
     for stage, per_token, passes in (("rollout", 2, lambda r: 1), ("score", 2, lambda r: r["score_passes"]),
                                      ("update", 6, lambda r: 1)):
         cells = []
         for r in res.values():
-            flops = per_token * r["params_m"] * 1e6 * r["tokens_per_step"] * passes(r)
+            tokens = r["tokens_per_step"] if stage == "rollout" else r["forward_tokens_per_step"]
+            flops = per_token * r["params_m"] * 1e6 * tokens * passes(r)
             s = r[f"timing_s/{stage}"]
             cells.append(f"{flops / s / 1e9:.0f} ({100 * flops / s / 1e9 / peak:.0f}%)" if flops and s > 0 else "-")
         lines.append(f"{stage + ' GFLOP/s (% of peak)':<34}" + "".join(f"{c:>22}" for c in cells))
     g, tp, t = first["trajectories"] / first["groups"], first["prompt_length/mean"], first["response_length/mean"]
-    lines.append(f"{'forward tokens per group':<34}{g * (tp + t):>22.0f} = G x (prompt + response); a shared prompt's "
-                 f"forward would need {tp + g * t:.0f} = prompt + G x response (not built yet)")
+    lines.append(f"{'forward tokens per group':<34}{g * (tp + t):>22.0f} = G x (prompt + response) a forward per row; "
+                 f"{tp + g * t:.0f} = prompt + G x response with a shared prompt "
+                 f"({'hw.share_prompts: this run' if first['shared'] else 'not this run'})")
     return "\n".join(lines)
 
 
