@@ -70,7 +70,7 @@ def test_the_layout_puts_each_prompt_once_and_shows_a_response_only_its_prompt_a
     layout = joint(prompt_ids, prompt_mask, response_ids, token_mask, torch.device("cpu"), "sdpa")
     tp, t = 9, 6
     assert layout.runs == RUNS and layout.inputs["input_ids"].shape == (3, tp + 3 * t)  # 3 x 27 = 81 positions
-    assert layout.slots == 81 and forward_shape(RUNS, tp, t, True) == (3, 27) and forward_shape(RUNS, tp, t, False) == (7, 15)
+    assert forward_shape(RUNS, tp, t, True) == (3, 27) and forward_shape(RUNS, tp, t, False) == (7, 15)  # the planner's
     mask = layout.inputs["attention_mask"][:, 0]  # [3, 27, 27]
     first, second, third = tp, tp + t, tp + 2 * t  # group 0: the first column of its rows' responses (6, 2, 4 tokens)
     assert mask[0, third, tp - 5 : tp].all() and not mask[0, third, : tp - 5].any()  # real prompt tokens, no padding

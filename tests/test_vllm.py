@@ -109,13 +109,13 @@ def test_the_engine_follows_an_optimizer_step(engines):
 
 def test_grpo_trains_resumes_and_evaluates_with_vllm_like_hf(tmp_path):
     """4 GRPO steps with rollout.engine=vllm: the sampler/trainer gap stays at rounding level at every step,
-    so the engine followed every update. A run of 2 steps resumed to 4 (resume=auto: a new engine built from
-    the model path, the checkpoint's weights pushed into it, the torch RNG its seeds come from restored) is
+    so the engine followed every update. Its step-2 checkpoint resumed to step 4 in a new run (a new engine built
+    from the model path, the checkpoint's weights pushed into it, the torch RNG its seeds come from restored) is
     bit-identical to the straight run, metrics and final weights. Then `rlcli eval` of the saved policy,
     greedy, gives exactly the same accuracy from exactly the same responses with either engine."""
     args = ["rollout.engine=vllm", "eval.before=false", *FAST]
     straight, run = tmp_path / "straight", tmp_path / "run"
-    out = rlcli(tmp_path, "train", "steps=4", "checkpoint.every=0", f"hydra.run.dir={straight}", *args)
+    out = rlcli(tmp_path, "train", "steps=4", "checkpoint.every=2", f"hydra.run.dir={straight}", *args)
     assert "held-out accuracy after training" in out.stdout
     # Five weight pushes, without vLLM's false alarm about the rotary embedding's computed cache (quiet_vllm) or its
     # INFO lines; its warnings stay.
@@ -126,8 +126,8 @@ def test_grpo_trains_resumes_and_evaluates_with_vllm_like_hf(tmp_path):
         assert r["rollout_corr/logp_diff_mean"] < 1e-3 and r["rollout_corr/logp_diff_max"] < 2e-2, r
         assert abs(r["rollout_corr/kl"]) < 1e-4 and r["actor/grad_norm"] > 0
 
-    rlcli(tmp_path, "train", "steps=2", f"hydra.run.dir={run}", *args)
-    out = rlcli(tmp_path, "train", "steps=4", "resume=auto", f"hydra.run.dir={run}", *args)
+    out = rlcli(tmp_path, "train", "steps=4", f"resume={straight / 'checkpoints' / 'step_2'}", f"hydra.run.dir={run}",
+                *args)
     assert "2 of 4 steps done" in out.stdout
     assert [r for r in stable(metric_rows(run)) if "actor/pg_loss" in r] == steps
     a, b = policy_tensors(straight), policy_tensors(run)

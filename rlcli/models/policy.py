@@ -135,11 +135,6 @@ class Joint:
             return out[:, self.tp - 1 : -1]
         return out.flatten(0, 1)[self.at.flatten()].unflatten(0, tuple(self.at.shape))
 
-    @property
-    def slots(self) -> int:
-        """Token positions the forward runs (padding included): n·(Tp+T), or k·L with shared prompts."""
-        return self.inputs["input_ids"].numel()
-
 
 def joint(
     prompt_ids: Tensor,  # [n, Tp] left-padded
