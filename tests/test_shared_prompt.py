@@ -18,7 +18,14 @@ from rlcli.algos.functional import reverse_kl_full
 from rlcli.core.batch import RolloutBatch
 from rlcli.loop.learner import Learner
 from rlcli.models.config import CriticConfig, TinyModelConfig
-from rlcli.models.policy import joint, prompt_runs, response_log_softmax, response_outputs, with_lora
+from rlcli.models.policy import (
+    joint,
+    prompt_runs,
+    prompt_sharing_for,
+    response_log_softmax,
+    response_outputs,
+    with_lora,
+)
 from rlcli.models.tiny import build_tiny_model, load_tiny_tokenizer
 from rlcli.models.value import ValueModel, response_head_outputs
 from rlcli.plan.activations import forward_shape
@@ -181,3 +188,26 @@ def test_micro_batches_keep_a_groups_rows_side_by_side_within_the_token_budget()
     hw.max_tokens_per_micro_batch = 4 + 2 * 8  # one group of two rows of 8: the second group would need 2 x 20
     parts = [p.tolist() for p in Learner.micro_batches(SimpleNamespace(**vars(learner), share=True), b)]
     assert parts == [[0, 2], [3, 1], [4, 5]]
+
+
+def test_the_start_up_check_shares_only_where_the_model_follows_the_block_mask(tokenizer):
+    """On by default where exact: the learner shares prompts only if a shared forward of a short random batch gives
+    the rows' own log-probs. A model whose forward drops the custom mask (as remote code building its own causal mask
+    would) fails the check and runs a forward per row, as does an attention implementation that takes no custom mask,
+    and hw.share_prompts=false."""
+    from transformers import LlamaForCausalLM
+
+    class DropsTheMask(LlamaForCausalLM):
+        def forward(self, *args, attention_mask=None, **kwargs):
+            return super().forward(*args, **kwargs)  # plain causal attention over whatever it is given
+
+    model = build_tiny_model(TinyModelConfig(**SMALL), tokenizer, 0)
+    share, note = prompt_sharing_for(model, True)
+    assert share and note.startswith("each group's prompt once per micro-batch (sdpa attention"), note
+    assert prompt_sharing_for(model, False) == (False, "a forward per row (hw.share_prompts=false)")
+    dropping = DropsTheMask(model.config)
+    dropping.load_state_dict(model.state_dict())
+    share, note = prompt_sharing_for(dropping, True)
+    assert not share and "differs from the model's own" in note, note
+    model.config._attn_implementation = "flash_attention_2"
+    assert prompt_sharing_for(model, True) == (False, "a forward per row: flash_attention_2 attention takes no custom mask")

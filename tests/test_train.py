@@ -54,7 +54,7 @@ def test_two_steps_change_every_parameter_and_log_finite_metrics(two_step_run):
     assert not undocumented({k for r in rows for k in r}, reward_parts=("sevens", "math_verify")), rows[-1].keys()
     # The start-up summary states the units and what was loaded.
     for text in ("trajectories N=P*G   16", "reference model=yes", "old-logprob pass     skipped (on-policy: one mini-batch, one epoch)",
-                 "prompts              each group's prompt once per micro-batch (sdpa attention, a block mask)"):
+                 "prompts              each group's prompt once per micro-batch (sdpa attention, a block mask; checked"):
         assert text in out.stdout
 
 

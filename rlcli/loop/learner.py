@@ -52,7 +52,7 @@ from rlcli.models import (
     response_logprobs,
     response_outputs,
 )
-from rlcli.models.policy import prompt_runs, sharing
+from rlcli.models.policy import prompt_runs, prompt_sharing_for
 from rlcli.models.value import (
     augmented_values,
     critic_loss,
@@ -138,12 +138,8 @@ class Learner:
         # hw.logits_chunk only where the chunked pass reproduces the model's own logits (checked once here).
         with autocast(cfg.hw):
             self.chunk, self.chunk_note = logits_chunk_for(self.actor.module, cfg.hw.logits_chunk)
-        # hw.share_prompts where the attention implementation takes the block mask (rlcli.models.policy.Joint).
-        attention = getattr(self.actor.module.config, "_attn_implementation", None)
-        self.share = sharing(self.actor.module, cfg.hw.share_prompts) is not None
-        self.share_note = (f"each group's prompt once per micro-batch ({attention} attention, a block mask)" if self.share
-                           else "a forward per row (hw.share_prompts=false)" if not cfg.hw.share_prompts
-                           else f"a forward per row: {attention} attention takes no block mask")
+            # hw.share_prompts only where a shared forward reproduces the rows' own (checked once here).
+            self.share, self.share_note = prompt_sharing_for(self.actor.module, cfg.hw.share_prompts)
 
     def load_teacher(self) -> torch.nn.Module:
         """The distillation teacher (distill.teacher): frozen, eval mode, in the student's dtype and precision, sharded

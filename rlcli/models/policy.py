@@ -96,7 +96,8 @@ SHARING_ATTENTION = ("sdpa", "eager")
 
 def sharing(model: torch.nn.Module, share: bool) -> str | None:
     """`model`'s attention implementation if `share` and it takes a shared-prompt forward's mask
-    (SHARING_ATTENTION), else None: the `attention` argument of `joint`."""
+    (SHARING_ATTENTION), else None: the `attention` argument of `joint`. The learner passes the `share` that
+    `prompt_sharing_for` checked at start-up."""
     attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
     return attention if share and attention in SHARING_ATTENTION else None
 
@@ -289,6 +290,40 @@ def eval_mode(*modules: torch.nn.Module) -> Iterator[None]:
     finally:
         for m, mode in zip(modules, modes):
             m.train(mode)
+
+
+def prompt_sharing_for(model: torch.nn.Module, share: bool) -> tuple[bool, str]:
+    """(whether scoring and the update give each group's prompt one forward (`Joint`), a note saying which). Checked
+    once, at start-up, on a short random batch in eval mode, one prompt with three responses of which one is
+    padded: the shared forward must give the log-probs of a forward per row. An attention implementation that takes
+    no custom mask (flash_attention_2, flex_attention), or a model whose own code ignores or rejects the 4D mask
+    (remote code, a model building its own causal mask), fails it and runs a forward per row. Under ZeRO-3 every
+    rank runs it at the same point (each forward is a collective)."""
+    attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if not share:
+        return False, "a forward per row (hw.share_prompts=false)"
+    if attention not in SHARING_ATTENTION:
+        return False, f"a forward per row: {attention} attention takes no custom mask"
+    g = torch.Generator().manual_seed(0)
+    low = min(model.config.vocab_size, 1000)  # not the embedding's shape: a placeholder of size 0 under ZeRO-3
+    prompt = torch.randint(low, (1, 6), generator=g).repeat(3, 1)  # [3, 6]: one prompt, three rows
+    response = torch.randint(low, (3, 5), generator=g)  # [3, 5]
+    mask = torch.ones_like(response)
+    mask[1, 3:] = 0  # a shorter response: padding the others must not see
+    args = (model, prompt, torch.ones_like(prompt), response, mask, 1.0)
+    with torch.no_grad(), eval_mode(model):
+        rows, _ = response_logprobs(*args)  # [3, 5]
+        try:
+            shared, _ = response_logprobs(*args, share=True)  # [3, 5]
+        except (RuntimeError, ValueError, TypeError) as e:
+            return False, f"a forward per row: the model's forward refused the shared layout ({type(e).__name__}: {e})"
+    p = next(model.parameters())
+    tol = 1e-4 if p.dtype == torch.float32 and not torch.is_autocast_enabled(p.device.type) else 5e-2
+    err = float(((rows - shared).abs() * mask.to(rows.device)).max())
+    if err > tol:
+        return False, (f"a forward per row: a shared forward differs from the model's own by {err:.3g} nats (its "
+                       "attention does not follow the block mask)")
+    return True, f"each group's prompt once per micro-batch ({attention} attention, a block mask; checked: max diff {err:.1e})"
 
 
 def logits_chunk_for(model: torch.nn.Module, chunk: int) -> tuple[int, str]:
