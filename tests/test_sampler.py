@@ -127,7 +127,7 @@ def test_micro_batches_pack_rows_by_length_within_both_caps_and_cover_each_row_o
         truncated=torch.zeros(n, dtype=torch.bool), group_index=torch.arange(n), answers=[""] * n, texts=[""] * n,
     )
     trainer = SimpleNamespace(cfg=SimpleNamespace(hw=SimpleNamespace(micro_batch=8, max_tokens_per_micro_batch=120)),
-                              lockstep=False)
+                              lockstep=False, share=False)  # a forward per row (shared prompts: test_shared_prompt.py)
     parts = Learner.micro_batches(trainer, b)
     assert sorted(torch.cat(parts).tolist()) == list(range(n))
     slots = 0

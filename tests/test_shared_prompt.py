@@ -16,6 +16,7 @@ import torch
 
 from rlcli.algos.functional import reverse_kl_full
 from rlcli.core.batch import RolloutBatch
+from rlcli.core.layout import forward_shape
 from rlcli.loop.learner import Learner
 from rlcli.models.config import CriticConfig, TinyModelConfig
 from rlcli.models.policy import (
@@ -28,7 +29,6 @@ from rlcli.models.policy import (
 )
 from rlcli.models.tiny import build_tiny_model, load_tiny_tokenizer
 from rlcli.models.value import ValueModel, response_head_outputs
-from rlcli.plan.activations import forward_shape
 
 SMALL = dict(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128)
 RUNS = [3, 1, 3]  # rows per prompt

@@ -39,6 +39,7 @@ from rlcli.algos.functional import (
 from rlcli.algos.losses import POLICY_LOSSES
 from rlcli.config import BatchUnits, trained_model
 from rlcli.core.batch import RolloutBatch
+from rlcli.core.layout import forward_shape
 from rlcli.core.names import NEEDS_VALUES
 from rlcli.engine.collectives import agree_max, all_reduce, global_stats
 from rlcli.models import (
@@ -60,7 +61,6 @@ from rlcli.models.value import (
     response_head_outputs,
     response_values,
 )
-from rlcli.plan.activations import forward_shape
 
 
 @dataclass(frozen=True)
@@ -402,7 +402,7 @@ class Learner:
     def micro_batches(self, b: RolloutBatch) -> list[Tensor]:
         """Row indices of `b` split into micro-batches of at most hw.micro_batch rows and, if set,
         hw.max_tokens_per_micro_batch token slots (the forward's positions after RolloutBatch.trimmed:
-        rlcli.plan.activations.forward_shape). Rows go longest first, so a micro-batch holds rows of similar length
+        rlcli.core.layout.forward_shape). Rows go longest first, so a micro-batch holds rows of similar length
         and little padding (perf/padding_frac); with shared prompts a group's rows go side by side (groups by their
         longest row), so that they share one forward of their prompt. Memory only: the math does not depend on it."""
         hw = self.cfg.hw

@@ -12,6 +12,8 @@ import torch
 import torch.utils.checkpoint
 from torch import Tensor
 
+from rlcli.core.layout import forward_shape
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -146,15 +148,15 @@ def joint(
     attention: str | None = None,
 ) -> Joint:
     """The `Joint` layout of a micro-batch: runs of rows with one prompt share it when `attention` (the model's
-    attention implementation) is one of SHARING_ATTENTION, else (or when no two neighbours share a prompt) one
-    sequence per row."""
+    attention implementation) is one of SHARING_ATTENTION and that runs fewer positions
+    (rlcli.core.layout.forward_shape), else one sequence per row."""
     n, tp = prompt_ids.shape
     t = response_ids.shape[1]
     runs = prompt_runs(prompt_ids, prompt_mask) if attention in SHARING_ATTENTION else None
-    if runs is None or len(runs) == n:
+    k, width = forward_shape(runs, tp, t, True) if runs else (n, tp + t)  # width: L
+    if k == n:  # nothing to share, or sharing would run more positions (runs of very different sizes)
         return Joint(joint_inputs(prompt_ids, prompt_mask, response_ids, token_mask, device), torch.empty(0), tp)
-    k, g = len(runs), max(runs)
-    width = tp + g * t  # L
+    g = max(runs)
     sizes = torch.tensor(runs)
     first = sizes.cumsum(0) - sizes  # [k] first row of each run
     run_of = torch.repeat_interleave(torch.arange(k), sizes)  # [n]

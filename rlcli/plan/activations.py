@@ -3,6 +3,7 @@ arXiv:2205.05198), the log-prob pass's fp32 logits, the KV cache of generation."
 
 from __future__ import annotations
 
+from rlcli.core.layout import forward_shape
 from rlcli.plan.shapes import Arch
 
 
@@ -30,15 +31,6 @@ def activation_bytes(arch: Arch, rows: int, seq: int, act_bytes: int, checkpoint
     final = 3 * arch.hidden * tokens * act_bytes
     kept = arch.layers * arch.hidden * tokens * act_bytes + block if checkpointing else arch.layers * block
     return kept + block + final
-
-
-def forward_shape(group_rows: list[int], prompt: int, response: int, share: bool) -> tuple[int, int]:
-    """(sequences, length) of one forward over rows in groups of `group_rows` rows with the same prompt, padded to the
-    longest prompt and response: a sequence of prompt + response per row, or with shared prompts (hw.share_prompts)
-    one per group, its prompt then each of its rows' responses (rlcli.models.policy.Joint)."""
-    if share and any(g > 1 for g in group_rows):
-        return len(group_rows), prompt + max(group_rows) * response
-    return sum(group_rows), prompt + response
 
 
 def micro_shape(rows: int, group: int, prompt: int, response: int, share: bool) -> tuple[int, int]:
