@@ -119,18 +119,20 @@ def test_the_summary_names_the_best_trial_in_its_direction(tmp_path):
     assert "FAILED: boom" in text and "1 of 3 trials failed" in text and "steps=2" not in text
 
 
-def test_a_typo_is_answered_in_under_a_second_without_the_sweep_libraries(tmp_path):
+def test_a_typo_is_answered_without_the_sweep_libraries_or_the_training_stack(tmp_path):
     """The plugins are discovered at start-up (hydra_plugins), but Optuna, submitit and their dependencies load only
-    when a sweep uses them; a typo is answered in well under a second of CPU (wall time varies with the load)."""
-    code = ("import sys, time\nt = time.process_time()\nfrom rlcli.commands.cli import main\n"
+    when a sweep uses them, and validation loads none of the training stack (torch, transformers, DeepSpeed, the
+    logger backends): what makes a typo's answer fast (about 0.8-1.1 s of CPU on the 2-core machine, which varies
+    from run to run by a third: a bound on it failed CI under load, so the cause is asserted instead)."""
+    code = ("import sys\nfrom rlcli.commands.cli import main\n"
             "try:\n    main(['train', 'hydra/sweeper=optuna', 'algo.cliphigh_typo=0.3'])\nexcept SystemExit as e:\n"
-            "    code = e.code\nprint('CPU', time.process_time() - t, 'EXIT', code)\n"
+            "    print('EXIT', e.code)\n"
             "print('LOADED', [m for m in sys.modules if m.split('.')[0] in "
-            "('optuna', 'submitit', 'sqlalchemy', 'alembic', 'cloudpickle', 'torch')])\n")
+            "('optuna', 'submitit', 'sqlalchemy', 'alembic', 'cloudpickle', 'torch', 'transformers', 'deepspeed', "
+            "'vllm', 'wandb', 'mlflow', 'tensorboard')])\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert "did you mean algo.clip_high?" in out.stderr and "EXIT 2" in out.stdout, out.stdout + out.stderr
     assert "LOADED []" in out.stdout, out.stdout
-    assert float(out.stdout.split("CPU ")[1].split()[0]) < 1.0, out.stdout
 
 
 # ------------------------------------------------------------------------------------------------ end to end
