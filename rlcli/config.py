@@ -534,8 +534,9 @@ def mixed_precision(hw: Any) -> bool:
 
 def shares_prompts(cfg: Any) -> bool:
     """Whether scoring and the update run each group's prompt once (hw.share_prompts with G > 1 and an attention
-    implementation that takes the block mask: sdpa, eager, or the library's default, sdpa). The learner decides the
-    same from the loaded model (rlcli.models.policy.sharing); the memory plan reads this."""
+    implementation that takes the block mask: sdpa, eager, or the library's default, sdpa): what the memory plan
+    counts. The learner decides from the loaded model with a start-up check (rlcli.models.policy.prompt_sharing_for),
+    which can also fall back to a forward per row."""
     attention = cfg.model.attn_implementation
     return cfg.hw.share_prompts and units(cfg).G > 1 and attention in (None, "sdpa", "eager")
 

@@ -14,7 +14,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rlcli.algos.functional import reverse_kl_full
 from rlcli.core.batch import RolloutBatch
 from rlcli.core.layout import forward_shape
 from rlcli.loop.learner import Learner
@@ -114,8 +113,7 @@ def test_shared_prompts_give_every_row_its_own_outputs_and_gradient(tokenizer, a
     for a, b in zip(out[False][:3], out[True][:3]):
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
     assert_same_grads(out[False][3], out[True][3])
-    kl = reverse_kl_full(torch.log_softmax(torch.zeros(1, len(tokenizer)), -1), other[:1, 0])
-    assert kl.item() > 0  # the KL term is not trivially zero
+    assert out[False][2].max() > 0.1  # the KL term compared is not trivially zero
 
 
 def test_the_teacher_distributions_and_the_critic_are_shared_alike(tokenizer):

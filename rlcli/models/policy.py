@@ -96,11 +96,16 @@ SHARING_ATTENTION = ("sdpa", "eager")
 4D mask unchanged): the ones a shared-prompt forward runs on. flash_attention_2 and flex_attention do not."""
 
 
+def attention_of(model: torch.nn.Module) -> str | None:
+    """The attention implementation `model` runs (its transformers config's), None if it has no config."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None)
+
+
 def sharing(model: torch.nn.Module, share: bool) -> str | None:
     """`model`'s attention implementation if `share` and it takes a shared-prompt forward's mask
     (SHARING_ATTENTION), else None: the `attention` argument of `joint`. The learner passes the `share` that
     `prompt_sharing_for` checked at start-up."""
-    attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    attention = attention_of(model)
     return attention if share and attention in SHARING_ATTENTION else None
 
 
@@ -294,6 +299,13 @@ def eval_mode(*modules: torch.nn.Module) -> Iterator[None]:
             m.train(mode)
 
 
+def rounding_tolerance(model: torch.nn.Module) -> float:
+    """Nats two exact ways of computing `model`'s log-probs may differ by in a start-up check: 1e-4 in fp32, 5e-2
+    under bf16 weights or autocast."""
+    p = next(model.parameters())
+    return 1e-4 if p.dtype == torch.float32 and not torch.is_autocast_enabled(p.device.type) else 5e-2
+
+
 def prompt_sharing_for(model: torch.nn.Module, share: bool) -> tuple[bool, str]:
     """(whether scoring and the update give each group's prompt one forward (`Joint`), a note saying which). Checked
     once, at start-up, on a short random batch in eval mode, one prompt with three responses of which one is
@@ -301,7 +313,7 @@ def prompt_sharing_for(model: torch.nn.Module, share: bool) -> tuple[bool, str]:
     no custom mask (flash_attention_2, flex_attention), or a model whose own code ignores or rejects the 4D mask
     (remote code, a model building its own causal mask), fails it and runs a forward per row. Under ZeRO-3 every
     rank runs it at the same point (each forward is a collective)."""
-    attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    attention = attention_of(model)
     if not share:
         return False, "a forward per row (hw.share_prompts=false)"
     if attention not in SHARING_ATTENTION:
@@ -319,10 +331,8 @@ def prompt_sharing_for(model: torch.nn.Module, share: bool) -> tuple[bool, str]:
             shared, _ = response_logprobs(*args, share=True)  # [3, 5]
         except (RuntimeError, ValueError, TypeError) as e:
             return False, f"a forward per row: the model's forward refused the shared layout ({type(e).__name__}: {e})"
-    p = next(model.parameters())
-    tol = 1e-4 if p.dtype == torch.float32 and not torch.is_autocast_enabled(p.device.type) else 5e-2
     err = float(((rows - shared).abs() * mask.to(rows.device)).max())
-    if err > tol:
+    if err > rounding_tolerance(model):
         return False, (f"a forward per row: a shared forward differs from the model's own by {err:.3g} nats (its "
                        "attention does not follow the block mask)")
     return True, f"each group's prompt once per micro-batch ({attention} attention, a block mask; checked: max diff {err:.1e})"
@@ -350,10 +360,8 @@ def logits_chunk_for(model: torch.nn.Module, chunk: int) -> tuple[int, str]:
         args = (model, ids[:, :6], ones[:, :6], ids[:, 6:], ones[:, 6:], 1.0)
         whole, _ = response_logprobs(*args, chunk=0)  # [2, 10]
         parts, _ = response_logprobs(*args, chunk=3)  # [2, 10] in four chunks
-    p = next(model.parameters())
-    tol = 1e-4 if p.dtype == torch.float32 and not torch.is_autocast_enabled(p.device.type) else 5e-2
     err = float((whole - parts).abs().max())
-    if err > tol:
+    if err > rounding_tolerance(model):
         return 0, (f"whole sequence: chunked log-probs differ from the model's own logits by {err:.3g} nats "
                    "(it changes its logits after the output projection)")
     return chunk, f"{chunk} positions per chunk (checked against the model's own logits: max diff {err:.1e})"
