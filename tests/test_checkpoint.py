@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -127,7 +128,7 @@ def test_prompt_stream_continues_from_its_state():
 
 # ---------------------------------------------------------------------------------------------- end to end
 SCENARIOS = {
-    "grpo": ["logger=wandb"],
+    "grpo": [],  # and wandb on the killed and resumed runs: it continues the same run
     # Dynamic sampling on the score, 2 x P prompts per generation batch: every step carries surplus groups.
     "dapo": ["algo=dapo", "algo.filter_metric=score", "rollout.gen_prompts_per_step=8",
              "rollout.overlong_buffer_len=4"],
@@ -139,6 +140,22 @@ SCENARIOS = {
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory, cache):
+    """straight_run(*args) -> the directory of `rlcli train <args> checkpoint.every=0`, run once per argument list
+    for the whole module (the tests that interrupt a run compare it with the same straight run)."""
+    runs = {}
+
+    def run(*args: str) -> Path:
+        if args not in runs:
+            root = tmp_path_factory.mktemp("straight")
+            train(root, cache, *args, "checkpoint.every=0", f"hydra.run.dir={root / 'run'}")
+            runs[args] = root / "run"
+        return runs[args]
+
+    return run
 
 
 def environment(cache):
@@ -188,13 +205,13 @@ def logged_step(run, step):
 @pytest.mark.slow
 @pytest.mark.parametrize("hw", ["cpu", "cpu_x2"])
 @pytest.mark.parametrize("algo", list(SCENARIOS))
-def test_sigkill_then_resume_auto_is_bit_identical_to_a_straight_run(tmp_path, cache, algo, hw):
+def test_sigkill_then_resume_auto_is_bit_identical_to_a_straight_run(tmp_path, cache, straight_run, algo, hw):
     """SIGKILL in step 4 (after the step-2 checkpoint, after step 3's metrics were written), then the same
     command with resume=auto: metrics of every step and the final weights equal a straight run's without
     checkpoints, and the row the killed run wrote for step 3 is replaced, not duplicated."""
     args = ["steps=5", f"hw={hw}", *FAST, *SCENARIOS[algo]]
-    straight = tmp_path / "straight"
-    train(tmp_path, cache, *args, "checkpoint.every=0", f"hydra.run.dir={straight}")
+    straight = straight_run(*args)
+    args += ["logger=wandb"] if algo == "grpo" else []
 
     run = tmp_path / "killed"
     proc = start(tmp_path, cache, *args, "checkpoint.every=2", f"hydra.run.dir={run}")
@@ -218,12 +235,11 @@ def test_sigkill_then_resume_auto_is_bit_identical_to_a_straight_run(tmp_path, c
 
 
 @pytest.mark.slow
-def test_a_kill_during_a_save_leaves_the_previous_checkpoint_usable(tmp_path, cache):
+def test_a_kill_during_a_save_leaves_the_previous_checkpoint_usable(tmp_path, cache, straight_run):
     """SIGKILL while step 4's checkpoint is half written (the actor's files are on disk, nothing else):
     `latest` still names step 2, and resume=auto continues from it to the straight run's numbers."""
-    args = ["steps=5", *FAST]
-    straight = tmp_path / "straight"
-    train(tmp_path, cache, *args, "checkpoint.every=0", f"hydra.run.dir={straight}")
+    args = ["steps=5", "hw=cpu", *FAST]
+    straight = straight_run(*args)  # the grpo scenario's of the SIGKILL test
     run = tmp_path / "run"
     code, out = finish(subprocess.Popen(
         [sys.executable, str(ROOT / "tests" / "helpers" / "kill_during_save.py"), "4", "train", *args,

@@ -183,16 +183,16 @@ def test_a_tensor_parallel_engine_generates_what_one_engine_per_rank_generates(t
     """hw=cpu_x2 with rollout.tensor_parallel_size=2 (one engine over both ranks, vLLM's external launcher in the
     training job's process group) against one engine per rank: each rank gets back exactly its own prompts'
     responses, greedy and sampled (each trajectory's seed comes from its rank's RNG, whatever the layout), with
-    the same sampler log-probs up to the rounding of the sharded matrix products; at ZeRO-0 and ZeRO-3."""
+    the same sampler log-probs up to the rounding of the sharded matrix products. (At ZeRO-3 the weights the engine
+    gets are gathered from the partitions: the next test's sampler/trainer gap at every step, from step 1, owns that.)"""
     reference = generate_once(tmp_path, "tp1", "rollout.tensor_parallel_size=1")
-    for name, zero in (("tp2", 0), ("tp2_zero3", 3)):
-        sharded = generate_once(tmp_path, name, "rollout.tensor_parallel_size=2", f"hw.zero_stage={zero}")
-        for rank in (0, 1):
-            for mode in ("greedy", "sampled"):
-                (ids, mask, logp), (ids2, mask2, logp2) = reference[rank][mode], sharded[rank][mode]
-                assert ids.shape[0] == 6 and torch.equal(ids, ids2) and torch.equal(mask, mask2), (name, rank, mode)
-                assert (logp - logp2).abs().max().item() < 1e-4, (name, rank, mode)
-        assert not torch.equal(reference[0]["greedy"][0], reference[1]["greedy"][0])  # the ranks' own prompts
+    sharded = generate_once(tmp_path, "tp2", "rollout.tensor_parallel_size=2")
+    for rank in (0, 1):
+        for mode in ("greedy", "sampled"):
+            (ids, mask, logp), (ids2, mask2, logp2) = reference[rank][mode], sharded[rank][mode]
+            assert ids.shape[0] == 6 and torch.equal(ids, ids2) and torch.equal(mask, mask2), (rank, mode)
+            assert (logp - logp2).abs().max().item() < 1e-4, (rank, mode)
+    assert not torch.equal(reference[0]["greedy"][0], reference[1]["greedy"][0])  # the ranks' own prompts
 
 
 def test_grpo_with_a_tensor_parallel_engine_on_zero3_trains_and_resumes_bit_identically(tmp_path):

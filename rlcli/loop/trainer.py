@@ -47,7 +47,7 @@ from rlcli.loop.state import LoopState, seed_everything
 from rlcli.loop.summary import startup_summary
 from rlcli.models import resolve_model_path
 from rlcli.plan.budget import fix_budget
-from rlcli.plan.inputs import longest_prompt
+from rlcli.plan.inputs import arith_bound, longest_prompt
 from rlcli.rewards import RewardManager
 from rlcli.rollout import build_engine
 from rlcli.rollout.remote import rollout_source
@@ -72,8 +72,9 @@ class Trainer:
         self.rewards = RewardManager.for_run(cfg, self.tokenizer, with_model=channel is None)  # else rollout ranks score
         train, self.train_report = load_split(cfg.data, "train", cfg.seed, tokenizer=self.tokenizer)
         evals, _ = load_split(cfg.data, "eval", cfg.seed, tokenizer=self.tokenizer)
-        if cfg.hw.max_tokens_per_micro_batch == "auto":  # `rlcli train` fixes it; a Trainer built in code does here
-            fix_budget(cfg, longest_prompt(self.tokenizer, train + evals, cfg.env))
+        if cfg.hw.max_tokens_per_micro_batch == "auto":  # `rlcli train` fixes it; a Trainer built in code does here,
+            # from the same prompt length (the embedded task's exact bound, else the data's longest prompt)
+            fix_budget(cfg, arith_bound(cfg) or longest_prompt(self.tokenizer, train + evals, cfg.env))
         self.eval_examples, self.eval_which = eval_subset(evals, cfg.eval)
         engine = "hf" if channel else cfg.rollout.engine  # with rollout ranks: evaluation only
         self.rollout = build_engine(engine, self.learner.actor.module, self.tokenizer, self.model_path, cfg)
