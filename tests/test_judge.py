@@ -146,6 +146,29 @@ def test_config_needs_exactly_one_judge_and_a_url_that_is_one():
         validate(c)
 
 
+def test_the_memory_plan_counts_a_judge_in_the_job_and_not_one_behind_a_url(tmp_path):
+    """reward.judge.path: a `judge model` row, its weights whole on the rank (a Llama of 6,800 parameters, counted by
+    hand: embedding 100 x 16, tied head; per layer q, k, v, o 4 x 16 x 16, MLP 3 x 16 x 32, two norms 2 x 16; the
+    final norm 16), in the policy's 4 B on HF generation, plus the KV cache on vLLM on CPU; the peak grows by it. A
+    judge behind a URL adds nothing."""
+    from transformers import LlamaConfig
+
+    from rlcli.plan.estimate import estimate
+    from rlcli.plan.states import GIB
+
+    LlamaConfig(vocab_size=100, hidden_size=16, num_hidden_layers=2, intermediate_size=32, num_attention_heads=2,
+                num_key_value_heads=2, tie_word_embeddings=True).save_pretrained(tmp_path)
+    judged = ("+reward.weights.judge=1.0", f"reward.judge.path={tmp_path}")
+    without, hf = estimate(compose()), estimate(compose(*judged))
+    vllm = estimate(compose(*judged, "reward.judge.engine=vllm", "rollout.cpu_kv_cache_gb=2"))
+    served = estimate(compose("+reward.weights.judge=1.0", "reward.judge.url=http://127.0.0.1:8000",
+                              "reward.judge.model=judge"))
+    assert hf.rows["judge model"] == 6800 * 4 and hf.peak == pytest.approx(without.peak + 6800 * 4)
+    assert vllm.rows["judge model"] == 6800 * 4 + 2 * GIB  # fp32 inference on this CPU
+    assert "judge model" not in without.rows and "judge model" not in served.rows
+    assert served.peak == without.peak
+
+
 # ---------------------------------------------------------------------------------------------- scripted server
 @pytest.mark.parametrize("verdict", ["score", "yes_no"])
 def test_a_scripted_judge_scores_counts_unparsed_and_caches(scripted, tokenizer, tmp_path, verdict):

@@ -163,6 +163,8 @@ def _estimate(cfg: Any, prompt: tuple[int, str], budget: int | None, budget_note
         rows["reward model"], notes["reward model"] = reward_model_bytes(cfg, arch, world)
     if cfg.distill.teacher:
         rows["teacher"], notes["teacher"], host = teacher_bytes(cfg, arch, wbytes, world, host)
+    if "judge" in cfg.reward.weights and cfg.reward.judge.path:
+        rows["judge model"], notes["judge model"] = judge_bytes(cfg, arch, wbytes, act_bytes, device_memory(hw)[0])
 
     # The update: micro-batches of at most hw.micro_batch rows of the per-rank mini-batch, capped in token slots (with
     # shared prompts a micro-batch of whole groups runs each group's prompt once: fewer, longer sequences).
@@ -225,7 +227,7 @@ def _estimate(cfg: Any, prompt: tuple[int, str], budget: int | None, budget_note
         notes["runtime"] = "python + torch + transformers + DeepSpeed (measured)"
 
     static = sum(rows[k] for k in ("weights", "gradients", "optimizer states", "reference model", "teacher", "critic",
-                                   "reward model", "runtime") if k in rows)
+                                   "reward model", "judge model", "runtime") if k in rows)
     update = (rows["activations"] + rows["logits chunk"] + rows.get("teacher log-probs", 0.0)
               + (rows[ROLLOUT] if resident else 0.0))
     peak = static + max(update, rows[ROLLOUT])
@@ -274,6 +276,31 @@ def reward_model_bytes(cfg: Any, policy: Arch, world: int) -> tuple[float, str]:
     if reward_model_partitioned(cfg):
         return psi * nbytes / world, f"Ψ = {psi / 1e9:.3f}B x {nbytes} B, frozen, / {world} ranks (ZeRO-3) ({where})"
     return psi * nbytes, f"Ψ = {psi / 1e9:.3f}B x {nbytes} B, frozen, whole on each rank ({where})"
+
+
+def judge_bytes(cfg: Any, policy: Arch, wbytes: int, act_bytes: int, dev: float | None) -> tuple[float, str]:
+    """reward.judge.path: a judge model in the job (rlcli/rewards/judge.py), whole on each rank that makes batches, frozen
+    and held through the run, from its config.json (else the policy's shape, said so). On HF generation its weights load
+    as the policy's do (`wbytes`); on the vLLM engine the engine holds them in the inference dtype with its KV cache
+    (rollout.cpu_kv_cache_gb on CPU; reward.judge.gpu_memory_utilization of the device on a GPU). A judge behind
+    reward.judge.url costs nothing here. Its generation's own activations are not counted: they come and go between
+    the rollout and the update."""
+    from types import SimpleNamespace
+
+    j, r = cfg.reward.judge, cfg.rollout
+    path = os.path.expanduser(j.path)
+    readable = os.path.isfile(os.path.join(path, "config.json"))
+    arch = arch_of(SimpleNamespace(path=path, gguf_file=None)) if readable else policy
+    psi, where = param_count(arch), "reward.judge.path" if readable else "the policy's shape: no config.json here"
+    if j.engine == "hf":
+        return psi * wbytes, f"Ψ = {psi / 1e9:.3f}B x {wbytes} B, frozen, HF generation ({where})"
+    weights = psi * act_bytes
+    if cfg.hw.device == "cpu":
+        return (weights + r.cpu_kv_cache_gb * GIB,
+                f"vLLM: Ψ = {psi / 1e9:.3f}B x {act_bytes} B + rollout.cpu_kv_cache_gb={r.cpu_kv_cache_gb} ({where})")
+    reserved = j.gpu_memory_utilization * (dev or 0.0)
+    return max(weights, reserved), (f"vLLM: reward.judge.gpu_memory_utilization={j.gpu_memory_utilization} of the "
+                                    f"device, its weights {weights / GIB:.1f} GiB inside ({where})")
 
 
 def _zero_note(stage: int, world: int, what: str) -> str:
