@@ -184,7 +184,7 @@ def test_a_tensor_parallel_engine_generates_what_one_engine_per_rank_generates(t
     training job's process group) against one engine per rank: each rank gets back exactly its own prompts'
     responses, greedy and sampled (each trajectory's seed comes from its rank's RNG, whatever the layout), with
     the same sampler log-probs up to the rounding of the sharded matrix products. (At ZeRO-3 the weights the engine
-    gets are gathered from the partitions: the next test's sampler/trainer gap at every step, from step 1, owns that.)"""
+    gets after each update are gathered from the partitions: the next test's sampler/trainer gap at every step owns that.)"""
     reference = generate_once(tmp_path, "tp1", "rollout.tensor_parallel_size=1")
     sharded = generate_once(tmp_path, "tp2", "rollout.tensor_parallel_size=2")
     for rank in (0, 1):

@@ -142,8 +142,8 @@ def arith_examples(
         elif rng.random() < 0.5:
             a, b = b, a  # the longer operand comes first or second equally often
         if is_eval_problem(f"{a}{op}{b}") == want_eval:
-            # (slips is its own stream: without slips it is not drawn from, and the problems are the same)
-            forget = frozenset(c for c in carry_columns(a, b, op) if slips.random() < carry_slip) if carry_slip else frozenset()
+            carries = carry_columns(a, b, op) if carry_slip else []  # slips is its own stream: the problems are the same
+            forget = frozenset(c for c in carries if slips.random() < carry_slip)
             out.append(make_example(a, b, op, forget))
     return out
 

@@ -163,8 +163,9 @@ def _estimate(cfg: Any, prompt: tuple[int, str], budget: int | None, budget_note
         rows["reward model"], notes["reward model"] = reward_model_bytes(cfg, arch, world)
     if cfg.distill.teacher:
         rows["teacher"], notes["teacher"], host = teacher_bytes(cfg, arch, wbytes, world, host)
+    dev, dev_note = device_memory(hw)
     if "judge" in cfg.reward.weights and cfg.reward.judge.path:
-        rows["judge model"], notes["judge model"] = judge_bytes(cfg, arch, wbytes, act_bytes, device_memory(hw)[0])
+        rows["judge model"], notes["judge model"] = judge_bytes(cfg, arch, wbytes, act_bytes, dev)
 
     # The update: micro-batches of at most hw.micro_batch rows of the per-rank mini-batch, capped in token slots (with
     # shared prompts a micro-batch of whole groups runs each group's prompt once: fewer, longer sequences).
@@ -191,7 +192,6 @@ def _estimate(cfg: Any, prompt: tuple[int, str], budget: int | None, budget_note
 
     gen_p = (r.gen_prompts_per_step or p) if a.dynamic_sampling else p
     gen_rows = min(r.gen_batch_size, max(1, gen_p // world * g))
-    dev, dev_note = device_memory(hw)
     kv_room = gen_rows * seq  # tokens the rollout's KV cache holds at once: one generate call (hf), or vLLM's share
     blockers: list[str] = []
     if r.engine == "vllm" and arch.heads % r.tensor_parallel_size:
