@@ -258,19 +258,26 @@ def teacher_bytes(cfg: Any, policy: Arch, wbytes: int, world: int, host: float) 
     return size, f"{note}: {param_count(arch) / 1e9:.3f}B params", host
 
 
+def arch_at(path: str | None, policy: Arch) -> tuple[Arch, bool]:
+    """The shape of the model directory `path`, read from its config.json; the policy's where there is none here.
+    -> (the shape, whether it was read)"""
+    from types import SimpleNamespace
+
+    path = os.path.expanduser(path) if path else None
+    if path and os.path.isfile(os.path.join(path, "config.json")):
+        return arch_of(SimpleNamespace(path=path, gguf_file=None)), True
+    return policy, False
+
+
 def reward_model_bytes(cfg: Any, policy: Arch, world: int) -> tuple[float, str]:
     """reward=rm: the reward model's frozen weights on a rank that makes batches (rlcli/rewards/model.py), partitioned
     over the `world` training ranks where it is (config.reward_model_partitioned), else whole; counted as `rlcli rm`
     counts a reward model (rm_param_count), from reward.rm.path's config.json (else the policy's size,
     said so). Its forward has no gradient and runs between generation and the update: its activations are not
     counted."""
-    from types import SimpleNamespace
-
     from rlcli.config import inference_dtype, reward_model_partitioned
 
-    path = cfg.reward.rm.path
-    readable = path is not None and os.path.isfile(os.path.join(os.path.expanduser(path), "config.json"))
-    arch = arch_of(SimpleNamespace(path=os.path.expanduser(path), gguf_file=None)) if readable else policy
+    arch, readable = arch_at(cfg.reward.rm.path, policy)
     psi, nbytes = rm_param_count(arch), 4 if inference_dtype(cfg) == "float32" else 2
     where = "reward.rm.path" if readable else "the policy's size: reward.rm.path has no config.json here"
     if reward_model_partitioned(cfg):
@@ -285,12 +292,8 @@ def judge_bytes(cfg: Any, policy: Arch, wbytes: int, act_bytes: int, dev: float 
     (rollout.cpu_kv_cache_gb on CPU; reward.judge.gpu_memory_utilization of the device on a GPU). A judge behind
     reward.judge.url costs nothing here. Its generation's own activations are not counted: they come and go between
     the rollout and the update."""
-    from types import SimpleNamespace
-
     j, r = cfg.reward.judge, cfg.rollout
-    path = os.path.expanduser(j.path)
-    readable = os.path.isfile(os.path.join(path, "config.json"))
-    arch = arch_of(SimpleNamespace(path=path, gguf_file=None)) if readable else policy
+    arch, readable = arch_at(j.path, policy)
     psi, where = param_count(arch), "reward.judge.path" if readable else "the policy's shape: no config.json here"
     if j.engine == "hf":
         return psi * wbytes, f"Ψ = {psi / 1e9:.3f}B x {wbytes} B, frozen, HF generation ({where})"
