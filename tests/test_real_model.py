@@ -175,3 +175,17 @@ def test_smollm2s_chat_template_gives_observations_under_the_token_contract(conv
     assert chat.observation_text(history, [{"role": "tool", "content": "5"}]) == (
         "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n")
     assert tok.eos_token == "<|im_end|>"
+
+
+def test_bf16_autocast_shares_the_prompt_on_smollm2(converted):
+    """Under bf16 autocast SmolLM2's sdpa takes another kernel for the block mask than for a row alone; their
+    roundings differ by 0.15 nats (an ulp of its bf16 logits), which the start-up check used to read as a mask that is
+    not followed. Measured against fp32, the shared forward is as close as a forward per row: it shares."""
+    from rlcli.models import load_policy
+    from rlcli.models.policy import prompt_sharing_for
+
+    cfg = compose("model=smollm2-135m", run_dir="/runs/real")
+    model, _ = load_policy(cfg.model, converted[1])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        share, note = prompt_sharing_for(model, True)
+    assert share and note.startswith("each group's prompt once per micro-batch (sdpa attention"), note

@@ -207,5 +207,10 @@ def test_the_start_up_check_shares_only_where_the_model_follows_the_block_mask(t
     dropping.load_state_dict(model.state_dict())
     share, note = prompt_sharing_for(dropping, True)
     assert not share and "differs from the model's own" in note, note
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # mixed precision: measured against fp32, both layouts
+        share, note = prompt_sharing_for(model, True)
+        assert share and "from fp32)" in note, note
+        share, note = prompt_sharing_for(dropping, True)
+        assert not share and "nats from fp32" in note, note
     model.config._attn_implementation = "flash_attention_2"
     assert prompt_sharing_for(model, True) == (False, "a forward per row: flash_attention_2 attention takes no custom mask")
