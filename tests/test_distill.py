@@ -1,6 +1,8 @@
 """On-policy distillation (distill.*, algo=distill): the per-token advantage by hand, a teacher equal to the student
-changing nothing bit for bit, the teacher's tokenizer checked before any weights load."""
+changing nothing bit for bit, a different one drawing the student toward it, the teacher's tokenizer checked before
+any weights load."""
 
+import copy
 import json
 import shutil
 import time
@@ -47,6 +49,44 @@ def test_a_teacher_equal_to_the_student_changes_nothing_bit_for_bit(make_trainer
 
     assert f"distillation   teacher {plain.model_path}, coef 1.0" in startup_summary(same)
     assert "distillation   none" in startup_summary(plain)
+
+
+def reverse_kl(student, teacher, batch, temperature: float) -> float:
+    """KL(π_student ‖ π_teacher) over the whole vocabulary at each loss-mask position of `batch`'s responses (the
+    sampled tokens held fixed), the mean per token."""
+    from rlcli.models import response_log_softmax
+
+    inputs = (batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.token_mask, temperature)
+    s, t = response_log_softmax(student, *inputs), response_log_softmax(teacher, *inputs)  # [N, T, V]
+    kl = (s.exp() * (s - t)).sum(-1)  # [N, T]
+    mask = batch.loss_mask.float()  # [N, T]
+    return float((kl * mask).sum() / mask.sum())
+
+
+@pytest.mark.slow
+def test_distillation_steps_move_the_student_toward_the_teacher(make_trainer, tmp_path, monkeypatch):
+    """algo=distill with a fixed teacher (a tiny model of another shape and seed): six steps bring the student's
+    reverse KL to the teacher, over the whole vocabulary on step 1's sampled responses, below 0.7 of what it was
+    before step 1. Measured: 0.060 -> 0.026 (0.43 of it) at seed 0, 0.43-0.54 at seeds 0-3; the first step
+    (Adam moves every weight by about lr, on a 16-response estimate) raises it, the next five lower it. A loop
+    that hands distill_advantages the student and the teacher swapped pays the student for moving away: 0.060 ->
+    2.46."""
+    t = make_trainer("save=false", "algo=distill", f"distill.teacher={small_teacher(tmp_path / 'teacher')}")
+    initial = copy.deepcopy(t.learner.actor.module)
+    batches = []
+    advantage = t.advantage
+
+    def keep(batch, *args):
+        batches.append(batch)
+        return advantage(batch, *args)
+
+    monkeypatch.setattr(t, "advantage", keep)
+    for step in range(1, 7):
+        t.train_step(step)
+    first, temperature = batches[0], t.cfg.rollout.temperature
+    before = reverse_kl(initial.eval(), t.learner.teacher, first, temperature)
+    after = reverse_kl(t.learner.actor.module.eval(), t.learner.teacher, first, temperature)
+    assert before > 0.03 and after < 0.7 * before, (before, after)
 
 
 def test_a_teacher_with_another_tokenizer_is_refused_before_any_weights_load(tmp_path):

@@ -24,6 +24,7 @@ from test_reward_rm import rollout
 from rlcli.core.schema import ConfigError
 from rlcli.core.topology import free_port
 from rlcli.loop import checkpoint as ckpt
+from rlcli.loop.metrics import headline
 from rlcli.rewards.config import RewardConfig, validate
 from rlcli.rewards.judge import JudgeScorer, JudgeUnavailable, ServerJudge, parse_verdict
 
@@ -110,14 +111,87 @@ def batch(tokenizer, responses):
 
 
 # ---------------------------------------------------------------------------------------------- unit: parsing
-@pytest.mark.parametrize("reply,verdict,want", [
-    ("Score: 7", "score", 0.7), ("The answer is right. score=10.", "score", 1.0), ("Score: 3\nScore: 5", "score", 0.5),
-    ("Score: 2.5", "score", 0.25), ("Score: 11", "score", None), ("7/10", "score", None), ("", "score", None),
-    ("Yes", "yes_no", 1.0), ("no.", "yes_no", 0.0), ("Is it right? No, it is not... yes", "yes_no", 1.0),
+# Replies in the styles judges write, with the verdict the rule (rlcli/rewards/judge.py's docstring) gives, worked out
+# by hand: (reply, verdict, expected in [0, 1] or None = unparsed), on the scale 0..10 (another scale: the test below).
+REPLIES = [
+    # scores: labels, markdown, decimals, fractions
+    ("Score: 7", "score", 0.7),
+    ("**Score:** 8", "score", 0.8),
+    ("__Score__: 6", "score", 0.6),
+    ("*Score*: `9`", "score", 0.9),
+    ("The answer is right. score=10.", "score", 1.0),
+    ("Score: .5", "score", 0.05),
+    ("Score: 0.5", "score", 0.05),
+    ("Score: 7.5", "score", 0.75),
+    ("Score: 8/10", "score", 0.8),
+    ("Rating: 3 out of 10", "score", 0.3),
+    ("I'd give this response an 8/10.", "score", 0.8),
+    ("Overall, 6 out of 10.", "score", 0.6),
+    ("Score (0-10): 4", "score", 0.4),
+    ("Rating: [[8]]", "score", 0.8),
+    ("The score is 2.", "score", 0.2),
+    # the last verdict decides; a labelled one before any bare fraction
+    ("Score: 3\nScore: 5", "score", 0.5),
+    ("Step 1 is right, step 2 is wrong.\n\n### Final verdict: 7", "score", 0.7),
+    ("I'd rate it 7/10 at first.\n\n**Score: 9**", "score", 0.9),
+    ("Score: 6. It got 2 out of 3 steps right.", "score", 0.6),
+    ("Score: 9. One of 10 cases, 1/10, fails.", "score", 0.9),
+    # lists and JSON
+    ("1. Correctness: the sum is right\n2. Clarity: terse\n3. **Score**: 9", "score", 0.9),
+    ("- Correctness: 4/10\n- Clarity: 6/10", "score", 0.6),
+    ('{"score": 8}', "score", 0.8),
+    ('```json\n{"reasoning": "misses 2 out of 10 cases", "overall_score": 6}\n```', "score", 0.6),
+    ('{"score": "7/10"}', "score", 0.7),
+    # off the scale, and refusals
+    ("Score: 11", "score", None),
+    ("Score: -1", "score", None),
+    ("12/10", "score", None),
+    ("Score: 4/5", "score", None),
+    ("It gets 2 out of 3 steps right.", "score", None),
+    ("I cannot evaluate this response without the original task.", "score", None),
+    ("Score: N/A", "score", None),
+    ("", "score", None),
+    # yes/no: standalone words, negations, questions
+    ("Yes", "yes_no", 1.0),
+    ("no.", "yes_no", 0.0),
+    ("Yes. There is no doubt.", "yes_no", 1.0),
+    ("No doubt about it: the response is correct.", "yes_no", 1.0),
+    ("The response is correct.", "yes_no", 1.0),
+    ("The response is not correct.", "yes_no", 0.0),
+    ("The response isn't correct.", "yes_no", 0.0),
+    ("Incorrect.", "yes_no", 0.0),
+    ("I don't think the final answer is correct.", "yes_no", 0.0),
+    ("Yes, the response is correct.", "yes_no", 1.0),
+    ("No, the response is incorrect.", "yes_no", 0.0),
+    ("Is it right? No, it is not... yes", "yes_no", 1.0),
+    ("Is the response correct? No.", "yes_no", 0.0),
+    ("No. The correct answer is 7, not 8.", "yes_no", 0.0),
+    ("**Verdict:** Yes", "yes_no", 1.0),
+    ("**Final verdict: No**\n\nThe method is sound and every step but the last is correct.", "yes_no", 0.0),
+    ("1. The steps: sound\n2. The answer: matches the reference\n3. Verdict: correct", "yes_no", 1.0),
+    ('{"verdict": "no", "reason": "there are no errors in the steps but the sum is off"}', "yes_no", 0.0),
+    ('```json\n{"verdict": "yes"}\n```', "yes_no", 1.0),
+    # no verdict
+    ("There are no errors.", "yes_no", None),
+    ("I cannot determine whether the response is correct.", "yes_no", None),
+    ("I'm sorry, but I can't help with that.", "yes_no", None),
     ("nope", "yes_no", None),
-])
-def test_verdicts_parse_to_zero_one(reply, verdict, want):
+]
+
+
+@pytest.mark.parametrize("reply,verdict,want", REPLIES, ids=[f"{v}:{r[:40]!r}" for r, v, _ in REPLIES])
+def test_replies_in_the_styles_judges_write_read_by_the_one_rule(reply, verdict, want):
     assert parse_verdict(reply, verdict, 0, 10) == want
+
+
+def test_a_score_reads_on_the_configured_scale():
+    """min_score and max_score move the scale: 4/5 and `Score: 1` of 1..5 are 0.75 and 0; 8/10 is off it."""
+    assert [parse_verdict(r, "score", 1, 5) for r in ("4/5", "Score: 1", "8/10", "Score: 0")] == [0.75, 0.0, None, None]
+
+
+def test_an_unparsed_reply_shows_in_the_step_line():
+    """reward/judge_unparsed, the count of replies without a verdict, is on the step line wherever a judge scores."""
+    assert "judge_unparsed=3" in headline({"reward/mean": 0.5, "reward/judge_unparsed": 3.0}, 1)
 
 
 def test_config_needs_exactly_one_judge_and_a_url_that_is_one():

@@ -1,7 +1,7 @@
 """`rlcli rm` (issue 35 §1): the Bradley-Terry loss against hand-computed numbers, the reward model's last-token
 pooling under left and right padding, the pairs (embedded and from files, bad rows counted), and end to end: the
 CLI trains, saves a directory AutoModelForSequenceClassification loads and that scores as rlcli's `score`, and a
-resumed run equals a straight one. CPU, fp32, seeded, tiny, offline."""
+resumed run equals a straight one; a few steps raise held-out pair accuracy. CPU, fp32, seeded, tiny, offline."""
 
 import json
 import math
@@ -215,6 +215,23 @@ def test_rlcli_rm_trains_saves_a_loadable_reward_model_that_scores_as_rlcli(rm_r
     torch.testing.assert_close(ours, plain, rtol=1e-5, atol=1e-5)
     accuracy = (ours > score(model, tokenizer, prompts, [p["rejected"] for p in pairs])).float().mean()
     assert accuracy.item() == pytest.approx(result["eval_after"]["eval/pair_accuracy"], abs=1e-6)
+
+
+@pytest.mark.slow
+def test_a_few_rlcli_rm_steps_raise_held_out_pair_accuracy(tmp_path, monkeypatch):
+    """12 steps of 16 embedded arith pairs (a correct worked solution over one with a forgotten or invented carry,
+    each pair seen once) take held-out accuracy on 128 pairs from chance to above 0.7. Measured at seeds 0-5: before
+    0.35-0.60, after 0.77-0.84 (seed 0, this test's: 0.383 -> 0.789; 0.04 is one standard error on 128 pairs). A
+    training step that gives the Bradley-Terry loss chosen and rejected swapped learns the reverse preference:
+    0.383 -> 0.219."""
+    from rlcli.rm.train import RewardModelTrainer
+
+    monkeypatch.setenv("RLCLI_CACHE", str(tmp_path / "cache"))
+    cfg = compose(*FAST_RM, "steps=12", "rm.batch_size=16", "hw.micro_batch=16", "rm.train_size=320",
+                  "rm.eval_size=128", "checkpoint.every=0", "save=false", "hw.num_threads=1", run_dir=str(tmp_path / "r"))
+    result = RewardModelTrainer(cfg).fit()
+    before, after = (result[k]["eval/pair_accuracy"] for k in ("eval_before", "eval_after"))
+    assert before < 0.65 and after > 0.7 and after - before > 0.15, (before, after)
 
 
 @pytest.mark.slow

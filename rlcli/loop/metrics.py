@@ -39,6 +39,7 @@ def _significant(floor: float = 0.0, unit: str = "", spec: str = ".3g") -> Calla
 HEADLINE: tuple[tuple[tuple[str, ...], str, Callable[[float], str]], ...] = (
     (("acc/mean",), "acc", _fixed(3)),
     (("reward/mean",), "reward", _fixed(3)),
+    (("reward/judge_unparsed",), "judge_unparsed", _fixed(0)),  # a judge's replies without a verdict (scored 0)
     (("response_length/mean",), "len", _fixed(1)),
     (("actor/pg_loss",), "pg_loss", _fixed(4)),
     (("critic/vf_loss",), "vf_loss", _fixed(4)),

@@ -107,8 +107,9 @@ class JudgeConfig:
     answer, `(none)` without one), {min} and {max}; null = the built-in rubric of `verdict`
     (rlcli.rewards.config.RUBRICS). Sent as one user message."""
     verdict: str = rng("score", choices=VERDICTS)
-    """score (the last `Score: <number>` of the reply, in [min_score, max_score], mapped linearly to [0, 1]) |
-    yes_no (the reply's last word yes -> 1 or no -> 0). A reply without one (or a score out of range) scores 0 and
+    """score (a number in [min_score, max_score], mapped linearly to [0, 1]: `Score: 8`, `8/10`, `{"score": 8}`) |
+    yes_no (yes or correct -> 1, no or incorrect -> 0, negations flip). How a reply is read, one rule: the docstring
+    of rlcli/rewards/judge.py (docs/reward_models.md, "The verdict"); a reply it finds no verdict in scores 0 and
     counts in reward/judge_unparsed."""
     min_score: float = rng(0.0)
     """The lowest score of verdict=score (maps to 0)."""

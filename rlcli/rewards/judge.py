@@ -17,8 +17,21 @@ with it, so no resumed run re-asks what it already has. Failures are not cached.
 
 A request nobody answers (after reward.judge.retries) fails the step with JudgeUnavailable, a one-line error
 naming the judge, raised in stage 2, before any update, so the latest checkpoint is the last good step; or, with
-reward.judge.on_error=zero, scores 0 and counts in reward/judge_errors. A reply without a verdict scores 0 and
-counts in reward/judge_unparsed.
+reward.judge.on_error=zero, scores 0 and counts in reward/judge_errors.
+
+How a reply is read (parse_verdict; docs/reward_models.md, "The verdict", states the same rule). Markdown emphasis and
+code marks (**, *, __, backticks) are dropped. The verdict is the reply's last labelled one, or, in a reply without a
+labelled one, its last unlabelled one. A label is the word score, rating, grade or verdict (`Final verdict:`,
+`"overall_score":`, `Rating: [[8]]`) followed by its value. The value and the unlabelled verdict, by reward.judge.verdict:
+  score   a number (8, 7.5, .5, -1), or <n>/<d> or <n> out of <d>; unlabelled, only <n>/<max> or <n> out of <max>. It
+          maps linearly from [min_score, max_score] to [0, 1]; a number out of that range, or over a denominator other
+          than max_score, is no score.
+  yes_no  a clause (the text between punctuation marks) ending in yes or correct (1), no or incorrect (0), flipped by
+          a negation in the clause (not, cannot, never, n't): `not correct` and `isn't correct` are 0. A clause
+          ending in another word (`no doubt`), ending in `?`, or holding whether or if states none.
+A reply without a verdict (a refusal), or whose verdict is no score, reads None: it scores 0 and counts in
+reward/judge_unparsed. The built-in rubrics (rlcli.rewards.config.RUBRICS) ask for a fixed last line, `Score: <n>` or
+one word yes/no; no response format is requested (docs/reward_models.md says why), so free text is read as above.
 """
 
 from __future__ import annotations
@@ -40,8 +53,18 @@ from rlcli.rewards.config import RUBRICS
 CACHE_DIR = "judge_cache"
 """The run-directory folder of the judge's replies (one JSONL file per rank); rlcli.loop.checkpoint carries it."""
 
-_SCORE = re.compile(r"score\W{0,3}?(-?\d+(?:\.\d+)?)", re.IGNORECASE)
-_YES_NO = re.compile(r"\b(yes|no)\b", re.IGNORECASE)
+_MARKS = re.compile(r"\*+|__+|`+")
+"""Markdown emphasis and code marks, dropped before reading: `**Score:** 8` reads as `Score: 8`."""
+_LABEL = r"(?<![a-z])(?:score|rating|grade|verdict)(?![a-z])(?:\s*\([^)\n]*\))?[\s\"'\[]*(?:(?:is|of)\b)?[\s\"'\[:=]*"
+"""A label and what may stand between it and its value: `Score (0-10):`, `"score": "`, `Rating: [[`, `verdict is`."""
+_NUMBER = r"(-?(?:\d+(?:\.\d+)?|\.\d+))"
+_OF = r"\s*(?:/|out\s+of)\s*"
+_ENDS = ".,;:!?\n\"(){}\\[\\]"  # what ends a clause
+_CLAUSE = (rf"((?:(?!\b(?:whether|if)\b)[^{_ENDS}])*?\b(yes|no|correct|incorrect))[ \t]*"
+           rf"(?=[{_ENDS.replace('?', '')}]|$)")
+"""A yes_no verdict: a clause ending in a verdict word (group 2), not a question; group 1 is the clause."""
+_WORDS = {"yes": 1.0, "correct": 1.0, "no": 0.0, "incorrect": 0.0}
+_NEGATION = re.compile(r"\b(?:not|cannot|never)\b|n['’]t\b", re.IGNORECASE)
 
 
 class JudgeUnavailable(ConfigError):
@@ -63,17 +86,40 @@ def rubric_text(j: Any, prompt: str, response: str, reference: str) -> str:
     return re.sub("|".join(re.escape(k) for k in fill), lambda m: fill[m.group(0)], text)
 
 
+def _last(reply: str, labelled: str, unlabelled: str) -> re.Match[str] | None:
+    """The reply's last labelled verdict, or, without one, its last unlabelled verdict."""
+    for pattern in (labelled, unlabelled):
+        found = list(re.finditer(pattern, reply, re.IGNORECASE))
+        if found:
+            return found[-1]
+    return None
+
+
+def _score(reply: str, lo: float, hi: float) -> float | None:
+    m = _last(reply, rf"{_LABEL}{_NUMBER}(?:{_OF}{_NUMBER})?", rf"{_NUMBER}{_OF}({re.escape(_number(hi))})(?!\.?\d)")
+    if m is None:
+        return None
+    n = float(m[1])
+    on_scale = lo <= n <= hi and (m[2] is None or float(m[2]) == hi)
+    return (n - lo) / (hi - lo) if on_scale else None
+
+
+def _yes_no(reply: str, lo: float, hi: float) -> float | None:
+    m = _last(reply, _LABEL + _CLAUSE, rf"(?:^|(?<=[{_ENDS}])){_CLAUSE}")
+    if m is None:
+        return None
+    value = _WORDS[m[2].lower()]
+    return 1.0 - value if _NEGATION.search(m[1]) else value
+
+
+READERS = {"score": _score, "yes_no": _yes_no}
+"""How each reward.judge.verdict reads a reply (markdown marks dropped) -> its verdict in [0, 1], None without one."""
+
+
 def parse_verdict(reply: str, verdict: str, lo: float, hi: float) -> float | None:
-    """The reply's verdict in [0, 1], or None without one: score = the last `Score: <n>` (n in [lo, hi]) mapped
-    linearly, yes_no = the last standalone yes (1) or no (0)."""
-    if verdict == "score":
-        found = _SCORE.findall(reply)
-        if not found:
-            return None
-        value = float(found[-1])
-        return (value - lo) / (hi - lo) if lo <= value <= hi else None
-    found = _YES_NO.findall(reply)
-    return None if not found else float(found[-1].lower() == "yes")
+    """The reply's verdict in [0, 1], or None without one, by the rule of this module's docstring; `lo`, `hi`: the
+    score range (reward.judge.min_score, max_score)."""
+    return READERS[verdict](_MARKS.sub("", reply), lo, hi)
 
 
 class JudgeCache:
