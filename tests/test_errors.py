@@ -317,3 +317,20 @@ def test_exit_now_names_a_thread_that_never_ends_instead_of_waiting_forever(tmp_
     assert out.returncode == 1, out.stderr
     assert out.stderr.strip().splitlines()[-1] == ("rlcli: error: threads still running 0.5 s after the end, left "
                                                    "behind: forever"), out.stderr
+
+
+def test_the_tiny_model_refuses_prompts_it_cannot_read_and_trains_on_its_own_format(tmp_path):
+    """The warm-started tiny model reads only the embedded task's prompts ('Q: 9+37=?\\nA:'): a file of questions in
+    words would train on nothing (reward 0 at every step), so it is refused before loading, naming models that read
+    text. The same rows written in its format pass the check and train (a 2-step warm start, one training step)."""
+    pairs = [(9, 37), (2, 3), (41, 8), (15, 15)]
+    words, own = tmp_path / "words.jsonl", tmp_path / "own.jsonl"
+    words.write_text("".join(f'{{"question": "What is {a} + {b}?", "answer": "{a + b}"}}\n' for a, b in pairs))
+    own.write_text("".join(f'{{"question": "Q: {a}+{b}=?\\nA:", "answer": "{a + b}"}}\n' for a, b in pairs))
+    args = [*SMALL[1:], "data.source=file", "data.prompt_key=question", "data.eval_size=null"]
+    out, elapsed = timed_rlcli(tmp_path, "train", *args, f"data.train_path={words}", f"hydra.run.dir={tmp_path}/r1")
+    assert_early(out, "reads only its arithmetic prompts", elapsed)
+    assert "model=smollm2-135m" in out.stderr and "What is 9 + 37?" in out.stderr
+    out, _ = timed_rlcli(tmp_path, "train", *args, f"data.train_path={own}", "model.warm_start.steps=2", "steps=1",
+                         f"hydra.run.dir={tmp_path}/r2")
+    assert out.returncode == 0 and "done: 1 steps" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]

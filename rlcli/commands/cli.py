@@ -50,12 +50,29 @@ def check_inputs(cfg: Any, splits: tuple[str, ...]) -> None:
     from rlcli.rewards.config import check_importable, check_judge, check_reward_model
 
     check_model_path(cfg.model)
-    check_files(cfg.data, splits)
+    check_files(cfg.data, splits, *tiny_reads(cfg))
     check_importable(cfg.reward)
     check_reward_model(cfg.reward)
     check_judge(cfg.reward)
     if "train" in splits:
         check_teacher(cfg)
+
+
+def tiny_reads(cfg: Any) -> tuple[Any, str] | tuple[()]:
+    """What the warm-started embedded tiny model can read of a data file: (a check of one prompt, the refusal with
+    the fix), or () for any other model (a random-init tiny model, model.warm_start.enabled=false, trains on
+    anything a user reward scores)."""
+    m = cfg.model
+    if m.path is not None or m.gguf_file is not None or not m.warm_start.enabled:
+        return ()
+    from rlcli.data import arith
+    from rlcli.data.templates import render_prompt
+
+    return (lambda prompt: arith.reads(render_prompt(prompt, cfg.data.template, False)),
+            "the embedded tiny model (model=tiny, the default) reads only its arithmetic prompts, 'Q: 12+34=?\\nA:', "
+            "and none of the first rows is one: it would train on nothing. Train a model that reads text "
+            "(model=smollm2-135m, or model=hf model.path=<a Hugging Face model directory>), or write the prompts as "
+            "'Q: a+b=?\\nA:'")
 
 
 def train_job(cfg: Any) -> dict[str, Any] | None:

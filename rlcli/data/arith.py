@@ -79,6 +79,14 @@ def carry_columns(a: int, b: int, op: str) -> list[int]:
     return [col for col, n in enumerate(terms) if n == 3]  # 'x+y+1' / 'x-y-1': a third term
 
 
+PROMPT_FORMAT = re.compile(r"Q: \d+[+-]\d+=\?\nA:")
+"""The prompts of the embedded task (make_example): the only text the warm-started tiny model has learned to read."""
+
+
+def reads(prompt: object) -> bool:
+    """Whether `prompt` (a data row's, after its template) is in the embedded task's format, PROMPT_FORMAT."""
+    return isinstance(prompt, str) and PROMPT_FORMAT.fullmatch(prompt.strip()) is not None
+
 def make_example(
     a: int, b: int, op: str, forget: frozenset[int] = frozenset(), invent: frozenset[int] = frozenset()
 ) -> dict:

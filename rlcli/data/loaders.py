@@ -362,10 +362,12 @@ def _adapted(cfg: Any, report: LoadReport, rows: Iterator[Row]) -> tuple[list[tu
     return usable_rows(rows, lambda row: adapter(row, cfg), report, cfg.report_bad_rows)
 
 
-def check_files(cfg: Any, splits: tuple[str, ...] = SPLITS) -> None:
+def check_files(cfg: Any, splits: tuple[str, ...] = SPLITS, readable: Callable[[Prompt], bool] | None = None,
+                unreadable: str = "") -> None:
     """Before anything loads (`rlcli train`, `rlcli eval`): each file `splits` read exists, has the format its
     suffix names, is not empty, and one of its first CHECK_ROWS rows gives an example through data.adapter and
-    the column keys. Raises the ConfigError the full load would raise, in a fraction of a second."""
+    the column keys. Raises the ConfigError the full load would raise, in a fraction of a second. With `readable`
+    (a model that reads only some prompts), one of those rows' prompts must pass it, else ConfigError(`unreadable`)."""
     import itertools
 
     if cfg.source != "file":
@@ -377,6 +379,8 @@ def check_files(cfg: Any, splits: tuple[str, ...] = SPLITS) -> None:
         if not usable:
             among = f"the first {report.rows}" if report.rows == CHECK_ROWS else ""
             raise _no_usable_row(path, cfg, report, columns, key, among)
+        if readable is not None and not any(readable(prompt) for _, prompt, _ in usable):
+            raise ConfigError(f"{key}={path}: {unreadable} (its first prompt: {str(usable[0][1])[:80]!r})")
 
 
 def load_file_split(cfg: Any, split: str, tokenizer: Any = None) -> tuple[list[dict[str, str]], LoadReport]:
