@@ -422,3 +422,18 @@ def test_zero3_over_two_ranks_trains_like_zero0(tmp_path, x2_run):
     # checkpoint.hf_every=3 gathers the same full policy from the partitions at step 3 (the last: the final one)
     hf = AutoModelForCausalLM.from_pretrained(run / "hf" / "step_3").state_dict()
     assert hf.keys() == b.keys() and all(torch.equal(hf[k], b[k]) for k in b)
+
+
+def test_a_run_without_any_advantage_warns_and_names_a_small_held_out_set(make_trainer, capsys):
+    """Every reward 0 (a reward weighted 0), so every group's rewards are equal and every advantage is 0: after
+    NO_SIGNAL_STEPS steps in a row the step lines say so once, with what to try, and the end summary counts the
+    steps; the start-up summary names a held-out set of 4 prompts."""
+    from rlcli.loop.state import NO_SIGNAL_STEPS
+
+    t = make_trainer("reward.weights.sevens=0.0", f"steps={NO_SIGNAL_STEPS + 1}", "save=false")
+    t.fit()
+    out = capsys.readouterr().out
+    assert out.count("warning: 3 steps in a row with every advantage 0 (adv/std=0)") == 1, out[-3000:]
+    assert "no reply was right" in out and "larger rollout.n" in out
+    assert f"warning: {NO_SIGNAL_STEPS + 1} of the {NO_SIGNAL_STEPS + 1} steps had every advantage 0" in out
+    assert "held-out accuracy will rest on 4 prompts (one prompt moves it 25 points)" in out

@@ -17,6 +17,16 @@ from rlcli.rollout.sampler import GroupSampler
 HEADLINE = ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "reward/mean", "acc/mean")
 
 
+NO_SIGNAL_STEPS = 3
+"""Steps in a row without any advantage after which the loop warns (rlcli.loop.summary.no_signal_warning)."""
+
+
+def no_signal(metrics: dict[str, float]) -> bool:
+    """Whether a step's advantages were all zero (`adv/mean` and `adv/std` over its loss tokens): the policy gradient
+    had nothing to follow (GRPO: every group's rewards were equal)."""
+    return abs(metrics.get("adv/mean", 1.0)) < 1e-12 and metrics.get("adv/std", 1.0) < 1e-12
+
+
 class NonFiniteTraining(ConfigError):
     """Training produced only non-finite gradients for optim.max_skipped_steps steps in a row (reported in one
     line, like a config error: the fix is a knob)."""
@@ -45,6 +55,10 @@ class LoopState:
     """Training steps in a row whose every actor optimizer step was skipped (non-finite gradient norm)."""
     last_finite: dict[str, float] = field(default_factory=dict)
     """Headline metrics of the last step that applied an update (for the error when updates stop)."""
+    no_signal_in_a_row: int = 0
+    """Training steps in a row whose advantages were all zero (every group's rewards equal): nothing to learn."""
+    no_signal_steps: int = 0
+    """Training steps of the run whose advantages were all zero."""
 
     def request(self, n: int, version: int) -> Any:
         """The next generation batch, rlcli.rollout.remote.Request: `n` prompts from this rank's stream and their
@@ -60,6 +74,9 @@ class LoopState:
         """Record training step `step` done; raise NonFiniteTraining after `max_skipped` steps in a row that
         skipped all `optimizer_steps` of their actor updates."""
         self.step = step
+        silent = no_signal(metrics)
+        self.no_signal_in_a_row = self.no_signal_in_a_row + 1 if silent else 0
+        self.no_signal_steps += silent
         if metrics.get("actor/skipped_steps", 0.0) < optimizer_steps:
             self.skipped_in_a_row = 0
             self.last_finite = {k: metrics[k] for k in HEADLINE if k in metrics} | {"step": step}

@@ -76,7 +76,21 @@ def startup_summary(t: Any) -> str:
               if cfg.checkpoint.hf_every else ""))
         + (f"; resuming from {t.resumed_from} (step {s.step})" if t.resumed_from else ""),
     ]
+    lines += small_held_out(len(t.eval_examples))  # held-out accuracy is always reported at the end
     return "\n".join(lines)
+
+
+SMALL_HELD_OUT = 20
+"""Held-out prompts below which the start-up summary warns: at 50 % accuracy one prompt is 5 points of 20."""
+
+
+def small_held_out(n: int) -> list[str]:
+    """The start-up summary's warning line when held-out accuracy would rest on fewer than SMALL_HELD_OUT prompts."""
+    if n >= SMALL_HELD_OUT:
+        return []
+    return [f"  warning        held-out accuracy will rest on {n} prompt{'s' * (n != 1)} (one prompt moves it "
+            f"{100 / max(n, 1):.0f} points): give a held-out file (data.eval_path) or a larger data.eval_fraction / "
+            "data.eval_size"]
 
 
 def precision_note(hw: Any, engine: str) -> str:
@@ -133,3 +147,15 @@ def old_logprob_pass(cfg: Any, on_policy: bool) -> str:
     if mode == "decoupled":
         return f"skipped: the current policy is the proximal one (decoupled PPO); {behind}, weighted by pi_prox/mu"
     return f"skipped: ratios to the current policy; {behind}, corrected by algo.rollout_correction={cfg.algo.rollout_correction}"
+
+
+def no_signal_warning(metrics: dict[str, float], steps: int) -> str:
+    """The line printed when `steps` training steps in a row had all-zero advantages (rlcli.loop.state.no_signal),
+    with the likely cause read off the last step's accuracy and what to try."""
+    acc = metrics.get("acc/mean", 0.5)
+    why = ("no reply was right: the task may be out of this model's reach, or the reward may not read its answers "
+           "(reward.answer_format, data.template; logger.rollouts=true writes the replies to read)" if acc == 0.0 else
+           "every reply was right: the task is too easy for this model" if acc == 1.0 else
+           "the replies of each prompt scored alike")
+    return (f"warning: {steps} steps in a row with every advantage 0 (adv/std=0): nothing to learn, {why}. Try a "
+            "larger rollout.n, another task or model, or algo.dynamic_sampling=true to skip such groups")

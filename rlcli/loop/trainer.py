@@ -43,8 +43,8 @@ from rlcli.loop.eval import eval_subset
 from rlcli.loop.learner import Learner, Phase, rl_phase, value_pretrain_phase
 from rlcli.loop.metrics import MetricsLogger, RunLog, Timer, dump_rollouts, headline, memory_metrics
 from rlcli.loop.plot import log_curves
-from rlcli.loop.state import LoopState, seed_everything
-from rlcli.loop.summary import startup_summary
+from rlcli.loop.state import NO_SIGNAL_STEPS, LoopState, seed_everything
+from rlcli.loop.summary import no_signal_warning, startup_summary
 from rlcli.models import resolve_model_path
 from rlcli.plan.budget import fix_budget
 from rlcli.plan.inputs import arith_bound, longest_prompt
@@ -121,6 +121,8 @@ class Trainer:
                 bar.set_postfix(acc=f"{metrics['acc/mean']:.2f}", len=f"{metrics['response_length/mean']:.0f}")
                 if step % cfg.logger.log_every == 0:
                     self.print(headline(metrics, step))
+                if s.no_signal_in_a_row == NO_SIGNAL_STEPS:
+                    self.print(no_signal_warning(metrics, s.no_signal_in_a_row))
                 signum = int(all_reduce(torch.tensor(signals.signum), "max").item())  # any rank signalled
                 every, hf_every, path = cfg.checkpoint.every, cfg.checkpoint.hf_every, None
                 if cfg.save and (signum or (every and (step % every == 0 or step == cfg.steps))):
@@ -306,6 +308,9 @@ class Trainer:
         if not cfg.save:
             lines.append("  save=false: no policy and no checkpoint written")
         lines += [f"  {note}" for note in self.logger.notes]
+        if self.state.no_signal_steps:
+            lines.append(f"warning: {self.state.no_signal_steps} of the {steps} steps had every advantage 0 (every "
+                         "group's rewards equal): nothing was learned from them")
         lines.append("next:")
         if policy:
             lines.append(f"  rlcli eval model.path={policy}")
