@@ -144,6 +144,20 @@ def test_rlcli_eval_samples_k_and_writes_summary(two_step_run):
     assert "eval/acc_avg@4" in out.stdout
 
 
+def test_the_printed_next_eval_command_evaluates_the_runs_own_task(two_step_run):
+    """The end summary's `rlcli eval` line carries the run's task (its data, reward and eval overrides, here FAST's
+    four held-out prompts and its custom reward), not the defaults (the built-in task's held-out set)."""
+    import shlex
+
+    tmp, run, out = two_step_run
+    line = next(x.strip() for x in out.stdout.splitlines() if x.strip().startswith("rlcli eval "))
+    args = shlex.split(line)[2:]
+    assert f"model.path={run / 'policy'}" in args and not any(a.startswith(("steps=", "logger=", "hydra.")) for a in args)
+    rlcli(tmp, "eval", *args, f"hydra.run.dir={tmp / 'next_eval'}")
+    summary = json.loads((tmp / "next_eval" / "eval_summary.json").read_text())
+    assert summary["eval/prompts"] == 4  # data.eval_size=4 of the run; the default would be the built-in task's
+
+
 def test_multirun_makes_one_run_per_seed_and_save_false_saves_nothing(tmp_path):
     """Two runs of one step each; save=false: no policy, no checkpoint (not even at the last step, which
     checkpoint.every's schedule includes), no Hugging Face snapshot, whatever checkpoint.* says."""

@@ -159,3 +159,27 @@ def no_signal_warning(metrics: dict[str, float], steps: int) -> str:
            "the replies of each prompt scored alike")
     return (f"warning: {steps} steps in a row with every advantage 0 (adv/std=0): nothing to learn, {why}. Try a "
             "larger rollout.n, another task or model, or algo.dynamic_sampling=true to skip such groups")
+
+
+TRAINING_ONLY = ("hydra", "steps", "seed", "algo", "optim", "checkpoint", "logger", "save", "resume", "critic",
+                 "distill", "sweep", "rm")
+"""Top-level config keys only training reads: `rlcli eval` of a run's policy leaves these overrides of the run out."""
+
+
+def eval_command(run_dir: str, policy: str) -> str:
+    """`rlcli eval` of a run's saved policy on the run's own task: the run's command-line overrides (Hydra keeps them
+    in run_dir/.hydra/overrides.yaml; a Trainer built in code has none), less those only training reads and its
+    model.path, then model.path=<policy>."""
+    import os
+    import shlex
+
+    from omegaconf import OmegaConf
+
+    overrides_file = os.path.join(run_dir, ".hydra", "overrides.yaml")
+    kept = []
+    if os.path.isfile(overrides_file):
+        for o in OmegaConf.to_container(OmegaConf.load(overrides_file)):
+            key = o.lstrip("+~").split("=", 1)[0]
+            if key.split(".", 1)[0] not in TRAINING_ONLY and key != "model.path":
+                kept.append(shlex.quote(o))
+    return " ".join(["rlcli eval", *kept, f"model.path={shlex.quote(policy)}"])

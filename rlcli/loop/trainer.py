@@ -44,7 +44,7 @@ from rlcli.loop.learner import Learner, Phase, rl_phase, value_pretrain_phase
 from rlcli.loop.metrics import MetricsLogger, RunLog, Timer, dump_rollouts, headline, memory_metrics
 from rlcli.loop.plot import log_curves
 from rlcli.loop.state import NO_SIGNAL_STEPS, LoopState, seed_everything
-from rlcli.loop.summary import no_signal_warning, startup_summary
+from rlcli.loop.summary import eval_command, no_signal_warning, startup_summary
 from rlcli.models import resolve_model_path
 from rlcli.plan.budget import fix_budget
 from rlcli.plan.inputs import arith_bound, longest_prompt
@@ -313,7 +313,7 @@ class Trainer:
                          "group's rewards equal): nothing was learned from them")
         lines.append("next:")
         if policy:
-            lines.append(f"  rlcli eval model.path={policy}")
+            lines.append(f"  {eval_command(run, policy)}")
         lines.append(f"  rlcli plot {run}")
         return "\n".join(lines)
 
