@@ -150,6 +150,8 @@ def test_the_printed_next_eval_command_evaluates_the_runs_own_task(two_step_run)
     import shlex
 
     tmp, run, out = two_step_run
+    for when in ("before training", "at step 1", "after training"):  # evaluation inside the run shows its progress
+        assert f"held-out {when}" in out.stderr, out.stderr[-2000:]
     line = next(x.strip() for x in out.stdout.splitlines() if x.strip().startswith("rlcli eval "))
     args = shlex.split(line)[2:]
     assert f"model.path={run / 'policy'}" in args and not any(a.startswith(("steps=", "logger=", "hydra.")) for a in args)

@@ -19,15 +19,15 @@ from rlcli.rollout import Sampling, build_engine
 
 def sample_and_verify(
     engine: Any, examples: list[dict[str, str]], eval_cfg: Any, rollout_cfg: Any, rewards: Any,
-    progress: bool = False,
+    progress: bool = False, desc: str = "eval",
 ) -> list[dict[str, Any]]:
     """Per prompt: its k responses (from the rollout `engine`), verdicts, extracted answers, lengths and
-    truncation flags."""
+    truncation flags; with `progress`, a bar named `desc`."""
     k, chunk = eval_cfg.k, max(1, eval_cfg.batch_prompts)
     sampling = Sampling.of_eval(eval_cfg, rollout_cfg)
     votes = "code" not in rewards.functions
     results: list[dict[str, Any]] = []
-    bar = tqdm(total=len(examples), desc="eval", unit="prompt", disable=not progress, leave=False)
+    bar = tqdm(total=len(examples), desc=desc, unit="prompt", disable=not progress, leave=False)
     for s in range(0, len(examples), chunk):
         part = examples[s : s + chunk]
         b = engine.generate([e["prompt"] for e in part], [e["answer"] for e in part], k, sampling)

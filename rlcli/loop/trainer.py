@@ -100,7 +100,7 @@ class Trainer:
             if s.step:
                 self.print(f"resumed from {self.resumed_from}: {s.step} of {cfg.steps} steps done")
             elif cfg.eval.before:
-                s.result["eval_before"] = self.evaluate()
+                s.result["eval_before"] = self.evaluate("before training")
                 self.print(f"held-out accuracy before training: {s.result['eval_before']['eval/acc']:.3f}")
                 self.logger.log({f"{k}_before": v for k, v in s.result["eval_before"].items()}, step=0)
             if self.units.pretrain_steps and not s.step:
@@ -116,7 +116,7 @@ class Trainer:
                     raise
                 s.end_step(step, metrics, cfg.algo.mini_batches * cfg.algo.ppo_epochs, cfg.optim.max_skipped_steps)
                 if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.steps:
-                    metrics.update(self.evaluate())
+                    metrics.update(self.evaluate(f"at step {step}"))
                 self.logger.log(metrics, step)
                 bar.set_postfix(acc=f"{metrics['acc/mean']:.2f}", len=f"{metrics['response_length/mean']:.0f}")
                 if step % cfg.logger.log_every == 0:
@@ -133,7 +133,7 @@ class Trainer:
                     self.stop(signum, path)
         s.rollout.close()  # the rollout ranks are done: none waits on its request timeout through the evaluation
         s.result["train_seconds"] = s.train_seconds
-        s.result["eval_after"] = self.evaluate()
+        s.result["eval_after"] = self.evaluate("after training")
         self.logger.log({f"{k}_after": v for k, v in s.result["eval_after"].items()}, step=cfg.steps)
         self.print(
             f"held-out accuracy after training: {s.result['eval_after']['eval/acc']:.3f}"
@@ -249,8 +249,9 @@ class Trainer:
         return batch.replace(advantages=advantages, returns=returns), metrics
 
     # ------------------------------------------------------------------ 7: evaluation, checkpoints
-    def evaluate(self) -> dict[str, float]:
-        """Held-out metrics (greedy accuracy by default) with the code of `rlcli eval`, sharded over ranks."""
+    def evaluate(self, when: str = "") -> dict[str, float]:
+        """Held-out metrics (greedy accuracy by default) with the code of `rlcli eval`, sharded over ranks; rank 0
+        shows a progress bar named `held-out <when>`."""
         from rlcli.loop.eval import metrics, sample_and_verify
 
         world, examples = self.units.world, self.eval_examples
@@ -264,7 +265,8 @@ class Trainer:
         device = self.learner.device
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(self.cfg.seed)
-            rows = sample_and_verify(self.rollout, shard, self.cfg.eval, self.cfg.rollout, self.rewards)
+            rows = sample_and_verify(self.rollout, shard, self.cfg.eval, self.cfg.rollout, self.rewards,
+                                     progress=self.main, desc=f"held-out {when}".strip())
         rows = [r for part in gather_objects(rows[: len(rows) - pad]) for r in part]
         return metrics(rows, self.cfg.eval)
 
