@@ -64,3 +64,12 @@ def test_the_group_order_and_the_stages_are_the_codes():
     assert set(timed) == {"rollout", "reward", "shape", "score", "advantage", "update", "sync"}
     missing = [stage for stage in timed if f"**{stage}**" not in design]
     assert not missing, missing
+
+
+def test_the_readme_headline_is_the_latest_default_run_of_the_results_page():
+    """README's held-out numbers of the default run come from docs/results.md: the latest measurement there (the last
+    "(**mean ± std**), from a warm start at <before>" of "The default run")."""
+    results = (ROOT / "docs" / "results.md").read_text()
+    section = results.split("## The default run", 1)[1].split("\n## ", 1)[0]
+    *_, (after, before) = re.findall(r"\(\*\*(\d+\.\d ± \d+\.\d)\*\*\), from a warm start at (\d+\.\d)", section)
+    assert f"goes from {before} % to {after} % over 3 seeds" in README

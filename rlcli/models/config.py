@@ -49,7 +49,7 @@ class WarmStartConfig:
     enabled: bool = True
     """Train before RL; if false the cached 'checkpoint' is the random initialisation."""
     steps: int = rng(200, ge=1, why="model.warm_start.enabled=false skips the warm start")
-    """Optimizer steps of supervised training (calibrated: 47.5% held-out greedy acc by default, module doc)."""
+    """Optimizer steps of supervised training (calibrated: 46.5% held-out greedy acc by default, docs/results.md)."""
     batch_size: int = rng(32, ge=1)
     """Examples per optimizer step; every example is new (steps * batch_size problems)."""
     lr: float = rng(1e-3, gt=0)
