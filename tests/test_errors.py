@@ -334,3 +334,4 @@ def test_the_tiny_model_refuses_prompts_it_cannot_read_and_trains_on_its_own_for
     out, _ = timed_rlcli(tmp_path, "train", *args, f"data.train_path={own}", "model.warm_start.steps=2", "steps=1",
                          f"hydra.run.dir={tmp_path}/r2")
     assert out.returncode == 0 and "done: 1 steps" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "  data           a data file: " in out.stdout  # not the name of the default data group (arith)

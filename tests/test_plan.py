@@ -297,8 +297,11 @@ def test_step_time_expects_a_mean_response_length_beside_the_worst_case():
     half = roofline.step_time(cfg, plan, 512)
     assert half.stages["update"] == pytest.approx(6 * psi * seqs * (256 + 512) / flops)
     lines = roofline.render(cfg, plan)
-    assert f"{half.total:,.0f} s per step with responses of 512 tokens on average (half of" in lines[0]
-    assert lines[1].endswith(f"max_new_tokens=1024: {roofline.step_time(cfg, plan).total:,.0f} s per step")
+    from rlcli.core.units import duration
+
+    assert duration(3 * 3600 + 125) == "3 h 02 min" and duration(75.5) == "1 min 15 s"  # hours read, not 10,925 s
+    assert f"{duration(half.total)} per step with responses of 512 tokens on average (half of" in lines[0]
+    assert lines[1].endswith(f"max_new_tokens=1024: {duration(roofline.step_time(cfg, plan).total)} per step")
     mine = compose("model=qwen2.5-0.5b", "hw=1xgpu", "rollout.expected_response_len=300")
     assert "responses of 300 tokens on average (rollout.expected_response_len=300)" in roofline.render(mine, plan)[0]
     from rlcli.config import validate

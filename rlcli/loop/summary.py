@@ -65,7 +65,7 @@ def startup_summary(t: Any) -> str:
         f"({cfg.optim.scheduler}, warmup {cfg.optim.warmup_steps})",
         f"  lengths        max_new_tokens {r.max_new_tokens}, temperature {r.temperature}, "
         f"top_p {r.top_p}, top_k {r.top_k}",
-        f"  data           {cfg.data.name}"
+        f"  data           {cfg.data.name if d.source != 'file' or cfg.data.name != 'arith' else 'a data file'}"
         + (f" ({digits}-digit operands)" if d.source == "arith" else "")
         + f": {len(s.prompts.examples)} train prompts; evaluation on {t.eval_which}; {t.train_report.summary()}",
         "  checkpoints    "

@@ -36,6 +36,7 @@ from rlcli.algos.functional import distill_advantages, kl_estimate
 from rlcli.algos.kl import build_kl_controller
 from rlcli.config import units
 from rlcli.core.batch import RolloutBatch
+from rlcli.core.units import duration
 from rlcli.data import PromptStream, load_split
 from rlcli.engine.collectives import all_reduce, barrier, gather_objects, rank_zero_first
 from rlcli.loop import checkpoint as ckpt
@@ -356,15 +357,6 @@ class Trainer:
         """To the terminal and run_dir/cli.log (rank 0)."""
         if self.say is not None:
             self.say(msg)
-
-
-def duration(seconds: float) -> str:
-    """12.3 s, 4 min 05 s, 2 h 03 min."""
-    if seconds < 60:
-        return f"{seconds:.1f} s"
-    if seconds < 3600:
-        return f"{int(seconds // 60)} min {int(seconds % 60):02d} s"
-    return f"{int(seconds // 3600)} h {int(seconds % 3600 // 60):02d} min"
 
 
 def distill_metrics(batch: RolloutBatch, unlikely_p: float) -> dict[str, float]:

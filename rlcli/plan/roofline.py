@@ -22,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from rlcli.core.units import duration
+
 # Assumed fraction of the dense peak that training and prefill reach (model FLOPs utilisation). Published large
 # runs report about 0.4-0.55 (e.g. Megatron-LM, arXiv:2104.04473: 52% on A100s); RL steps on one node with
 # ZeRO-3 gathers do worse, so the estimate takes the low end.
@@ -117,9 +119,9 @@ def render(cfg: Any, plan: Any) -> list[str]:
     parts = ", ".join(f"{name} {sec:,.0f} s" if sec >= 10 else f"{name} {sec:.2g} s"
                       for name, sec in expected.stages.items())
     return [
-        f"step time, rough (roofline at {MFU:.0%} of peak): {expected.total:,.0f} s per step with responses of "
+        f"step time, rough (roofline at {MFU:.0%} of peak): {duration(expected.total)} per step with responses of "
         f"{expected_response_len(cfg)} tokens on average ({mean}) = {parts}",
-        f"  worst case, every response at rollout.max_new_tokens={r.max_new_tokens}: {worst.total:,.0f} s per step",
+        f"  worst case, every response at rollout.max_new_tokens={r.max_new_tokens}: {duration(worst.total)} per step",
         f"  generation is {expected.generation_bound}-bound: {expected.waves} wave(s) of {expected.concurrency} "
         f"sequences per engine ({r.tensor_parallel_size if r.engine == 'vllm' else 1} device(s) per engine)",
     ]

@@ -285,7 +285,7 @@ class RewardModelTrainer:
         return "\n".join(lines)
 
     def end_summary(self, steps: int) -> str:
-        from rlcli.loop.trainer import duration
+        from rlcli.core.units import duration
 
         run, r = self.cfg.run_dir, self.state.result
         lines = [f"done: {steps} steps, {duration(time.perf_counter() - self.started)} from loading the model to the "
