@@ -10,7 +10,8 @@ from rlcli.loop.metrics import RunLog, headline, peak_mem_gb
 
 
 def test_the_step_line_shows_kl_lr_throughput_and_memory_and_prints_rounding_noise_as_zero():
-    """Losses in fixed point (a pg_loss of -1.1e-08 is rounding noise: 0.0000, no minus sign), a KL with three
+    """Losses in fixed point (a vf_loss of -1.1e-08 would read 0.0000, no minus sign), a pg_loss below 1e-6 left out
+    (GRPO's on-policy value: sum_i A_i / N = 0 by construction, docs/metrics.md), a KL with three
     significant digits (its scale is the point) and below 1e-6 as 0, the KL to the reference whether it sits in the
     loss (actor/kl_loss) or in the reward (actor/reward_kl), tokens/s, peak memory; a metric the step did not log, or
     a non-finite one, is left out."""
@@ -18,13 +19,15 @@ def test_the_step_line_shows_kl_lr_throughput_and_memory_and_prints_rounding_noi
             "actor/kl_loss": 0.000123456, "actor/ppo_kl": -3e-10, "actor/entropy": 4.4991, "actor/grad_norm": 0.99968,
             "actor/lr": 1e-3, "perf/tokens_per_s": 1808.6, "perf/peak_mem_gb": 0.6597, "timing_s/step": 0.3849,
             "adv/std": 0.6}
-    assert headline(grpo, 2) == ("step 2  acc=0.250  reward=-0.438  len=15.1  pg_loss=0.0000  kl=0.000123  ppo_kl=0  "
+    assert headline(grpo, 2) == ("step 2  acc=0.250  reward=-0.438  len=15.1  kl=0.000123  ppo_kl=0  "
                                  "entropy=4.499  grad_norm=1.00  lr=0.001  tok/s=1809  mem=0.66GiB  s/step=0.38")
     ppo = {"acc/mean": 1.0, "reward/mean": 0.5, "response_length/mean": 120.0, "actor/pg_loss": -0.01234,
            "critic/vf_loss": 0.25, "actor/reward_kl": 0.0213, "actor/ppo_kl": 0.00042, "actor/entropy": 0.51,
            "actor/grad_norm": float("nan"), "actor/lr": 5e-7, "perf/peak_mem_gb": 12.345, "timing_s/step": 61.5}
     assert headline(ppo, 40) == ("step 40  acc=1.000  reward=0.500  len=120.0  pg_loss=-0.0123  vf_loss=0.2500  "
                                  "kl=0.0213  ppo_kl=0.00042  entropy=0.510  lr=5e-07  mem=12.35GiB  s/step=61.50")
+    assert headline({"critic/vf_loss": -1.1e-08}, 1) == "step 1  vf_loss=0.0000"
+    assert headline({"reward/mean": 0.0, "reward/rm": 1.234}, 3) == "step 3  reward=0.000  rm=1.234"  # raw, normalised
 
 
 def test_the_run_log_writes_through_hydras_job_log_once_or_its_own(tmp_path):

@@ -108,12 +108,12 @@ def test_the_run_log_holds_what_the_terminal_showed_and_nothing_is_noise(two_ste
     story = ["memory plan", "trajectories N=P*G   16", "step 1  acc=", "step 2  acc=", f"saved {run / 'hf' / 'step_2'}",
              "held-out accuracy after training: ", f"saved policy to {run / 'policy'}",
              "done: 2 steps, ", f"results in {run}", "  hf/             step_1 step_2", "wandb sync ", "next:",
-             f"rlcli eval model.path={run / 'policy'}", f"rlcli plot {run}"]
+             "rlcli eval ", f"model.path={run / 'policy'}", f"rlcli plot {run}"]
     at = [log.find(text) for text in story]
     assert -1 not in at and at == sorted(at), dict(zip(story, at))
     assert all(text in out.stdout for text in story)
     step2 = next(line for line in log.splitlines() if "step 2  acc=" in line)
-    for field in ("kl=", "lr=0.001", "tok/s=", "mem=", "pg_loss="):
+    for field in ("kl=", "lr=0.001", "tok/s=", "mem=", "grad_norm="):
         assert field in step2, step2
     synced = log.split("wandb sync ")[1].split()[0]
     assert (run / "wandb").resolve() in Path(synced).resolve().parents and Path(synced).is_dir(), synced

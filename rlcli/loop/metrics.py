@@ -34,14 +34,22 @@ def _significant(floor: float = 0.0, unit: str = "", spec: str = ".3g") -> Calla
     return lambda x: "0" if abs(x) < floor else f"{x:{spec}}{unit}"
 
 
+def _nonzero(fmt: Callable[[float], str], floor: float = 1e-6) -> Callable[[float], str | None]:
+    """`fmt`, but nothing at all below `floor`: a value that is 0 by construction (GRPO's on-policy policy loss,
+    sum_i A_i / N over group-centred advantages, while its gradient is not 0) is left out instead of reading as a
+    stalled run."""
+    return lambda x: None if abs(x) < floor else fmt(x)
+
+
 # The one-line step summary: (metric names, the first one present is shown; label; format). Everything else goes
 # to metrics.jsonl and the logger backends (docs/metrics.md defines them all).
-HEADLINE: tuple[tuple[tuple[str, ...], str, Callable[[float], str]], ...] = (
+HEADLINE: tuple[tuple[tuple[str, ...], str, Callable[[float], str | None]], ...] = (
     (("acc/mean",), "acc", _fixed(3)),
     (("reward/mean",), "reward", _fixed(3)),
+    (("reward/rm",), "rm", _fixed(3)),  # the reward model's raw score (reward/mean holds it normalised)
     (("reward/judge_unparsed",), "judge_unparsed", _fixed(0)),  # a judge's replies without a verdict (scored 0)
     (("response_length/mean",), "len", _fixed(1)),
-    (("actor/pg_loss",), "pg_loss", _fixed(4)),
+    (("actor/pg_loss",), "pg_loss", _nonzero(_fixed(4))),
     (("critic/vf_loss",), "vf_loss", _fixed(4)),
     (("actor/kl_loss", "actor/reward_kl"), "kl", _significant(1e-6)),  # to the reference: in the loss or the reward
     (("actor/ppo_kl",), "ppo_kl", _significant(1e-6)),  # old -> current policy over the update
@@ -55,13 +63,14 @@ HEADLINE: tuple[tuple[tuple[str, ...], str, Callable[[float], str]], ...] = (
 
 
 def headline(metrics: dict[str, Any], step: int) -> str:
-    """`step 3  acc=0.250  reward=0.188  len=15.1  pg_loss=0.0000  kl=0.000123  ...`: the metrics of HEADLINE
-    that the step logged and are finite."""
+    """`step 3  acc=0.250  reward=0.188  len=15.1  pg_loss=0.0123  kl=0.000123  ...`: the metrics of HEADLINE
+    that the step logged, are finite and are shown (a pg_loss of 0 is not)."""
     parts = [f"step {step}"]
     for keys, label, fmt in HEADLINE:
         key = next((k for k in keys if k in metrics and math.isfinite(float(metrics[k]))), None)
-        if key is not None:
-            parts.append(f"{label}={fmt(float(metrics[key]))}")
+        shown = fmt(float(metrics[key])) if key is not None else None
+        if shown is not None:
+            parts.append(f"{label}={shown}")
     return "  ".join(parts)
 
 
