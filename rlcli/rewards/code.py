@@ -1,19 +1,29 @@
 """Code rewards (reward=code): a response's program run against its task's tests in a sandbox.
 
-    execute(program, tests, timeout_s=5.0) -> CodeResult             # assert-style tests (HumanEval, MBPP)
-    execute_stdio(program, cases, timeout_s=5.0) -> CodeResult       # stdin/stdout cases (competitive programming)
+    execute(program, tests, timeout_s=5.0, prefix=..., entry_point=...) -> CodeResult  # assert style (HumanEval, MBPP)
+    execute_stdio(program, cases, timeout_s=5.0) -> CodeResult                        # stdin/stdout (competitive)
 
 The ground truth of a code task (its data row's answer column) is JSON, `{"assert": TESTS, "prefix": CODE,
 "entry_point": NAME}` or `{"stdio": [[STDIN, STDOUT], ...]}` (rlcli.data.code_tasks builds both). Assert style: each
-top-level `assert` statement and each top-level bare call (`check(candidate)`) of TESTS is one test, run in order
-in the program's namespace; other top-level statements are set-up. Stdin/stdout style: each case runs the program
-afresh with STDIN and compares its output to STDOUT, line by line with trailing spaces stripped.
+top-level `assert` statement and each top-level bare call (`check(candidate)`) of TESTS is one test, run in order;
+other top-level statements are set-up. Stdin/stdout style: each case runs the program afresh with STDIN and compares
+its output to STDOUT, line by line with trailing spaces stripped.
 
-The sandbox (Linux), for every execution, docs/code_rewards.md:
+The verdict is decided here, where the program cannot reach it. The program runs in the sandbox (the files of
+rlcli/rewards/sandbox/) and only answers. Assert style: the task's tests (and the prefix's helpers: dataset code,
+trusted as the data is) run in this process, which never runs program code, with the function under test bound to
+a proxy; a call goes to the sandbox as data (sandbox/wire.py), the program's function runs there, and its result
+comes back as plain built-in values (or the name of the exception it raised) for the test's own assert to compare.
+Stdin/stdout style: the sandbox gets the stdins only and sends back each run's stdout and exit status. Expected
+values never enter the sandbox, and only this side counts: `ok` is "every test counted here passed". A sandbox that
+dies, runs past its time, passes its output cap or answers something malformed ends the execution there, with the
+tests that really passed before it. docs/code_rewards.md.
+
+The sandbox (Linux), for every execution:
 - namespaces (`unshare`): a user namespace, a network namespace (no interface but a loopback that is down: no
-  network at all), a PID namespace (the program is PID 1's child or PID 1 itself; when PID 1 exits the kernel kills
-  every process left in it, so a daemonised grandchild dies with it), a mount namespace in which every mount is
-  remounted read-only except the execution's own fresh working directory;
+  network at all), a PID namespace (launcher.py is PID 1; when it exits the kernel kills every process left in it,
+  so a daemonised grandchild dies with it), a mount namespace in which every mount is remounted read-only except
+  the execution's own fresh working directory;
 - run as an unprivileged user (nobody, 65534) when the trainer is root: RLIMIT_NPROC binds only for a non-root
   user; limits on CPU seconds, address space, file size, processes and open files; no core files;
 - a minimal environment: none of the trainer's variables (tokens, keys); `python -I` (no PYTHON* variables, no user
@@ -21,20 +31,21 @@ The sandbox (Linux), for every execution, docs/code_rewards.md:
 - the whole process group killed at the wall-clock limit; output read with a cap (the program is killed when it
   passes it, status `output_limit`);
 - the working directory removed afterwards.
-Results come back on their own pipe, each line tagged with a random nonce, after all tests have run: a program
-that prints a fake result, exits early (sys.exit, os._exit) or redefines the tests' helpers scores nothing it did
-not pass. What it does not protect against (a kernel exploit, a program that reads the harness's own memory for the
-nonce) is written in docs/code_rewards.md, with `reward.code.url` for an external sandbox service.
+What it does not protect against (a kernel exploit, files the sandbox's user can read) is written in
+docs/code_rewards.md, with `reward.code.url` for an external sandbox service.
 """
 
 from __future__ import annotations
 
+import ast
+import builtins
 import contextlib
 import functools
+import importlib
 import json
 import os
 import re
-import secrets
+import select
 import shutil
 import signal
 import subprocess
@@ -43,18 +54,25 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+from rlcli.rewards.sandbox import wire
 
 STATUSES = ("ok", "failed", "timeout", "crashed", "memory", "output_limit", "refused")
 """Outcomes of one execution: all tests passed | some failed | the wall-clock or CPU limit | the program raised,
-exited or died before its tests ran to the end | its memory limit | it printed past the cap | not run (no sandbox,
-a malformed request)."""
+exited or died before its tests ran to the end, or its sandbox answered something malformed | its memory limit |
+it printed past the cap | not run (no sandbox, a malformed request)."""
 
 NOBODY = 65534
 OUTPUT_CAP = 64 * 1024  # bytes of the program's stdout + stderr kept; past it the program is killed
+ANSWER_CAP = 4 << 20  # bytes of one message from the sandbox; past it the execution ends (output_limit)
+START_S = 2.0  # wall clock on top of timeout_s for the sandbox's start-up (~0.1 s) and clean-up
 FILE_SIZE_MB = 16
 OPEN_FILES = 64
 PROCESSES = 32  # per execution (RLIMIT_NPROC inside its own user namespace)
+SANDBOX = Path(__file__).with_name("sandbox")
+SANDBOX_FILES = ("launcher.py", "harness.py", "wire.py")
 
 
 @dataclass
@@ -81,111 +99,13 @@ class Limits:
     open_files: int = OPEN_FILES
 
 
-# ------------------------------------------------------------------------------------------------
-# Inside the sandbox. LAUNCHER runs as root of the new user namespace: it remounts every mount read-only but the
-# working directory, forks (it stays PID 1), and the child sets the limits and runs HARNESS, which reads the tests
-# before the program can touch anything.
-
-LAUNCHER = r"""
-import ctypes, os, resource, sys
-work, limits, python = sys.argv[1], [int(x) for x in sys.argv[2].split(",")], sys.argv[3]
-libc = ctypes.CDLL(None, use_errno=True)
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 8, 32, 4096, 16384
-FLAGS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": 1024, "nodiratime": 2048,
-         "relatime": 1 << 21, "strictatime": 1 << 24}
-def mount(src, target, flags):
-    if libc.mount(src, target.encode(), None, flags, None) != 0:
-        raise OSError(ctypes.get_errno(), f"mount {target}: {os.strerror(ctypes.get_errno())}")
-mount(work.encode(), work, MS_BIND | MS_REC)
-for line in open("/proc/self/mountinfo").read().splitlines():
-    fields = line.split()
-    target = fields[4].encode().decode("unicode_escape")
-    if target == work or target == "/proc" or target.startswith("/proc/"):
-        continue
-    flags = MS_REMOUNT | MS_BIND | MS_RDONLY
-    for opt in fields[5].split(","):
-        flags |= FLAGS.get(opt, 0)  # a mount's locked flags must be kept in a user namespace
-    mount(None, target, flags)
-cpu, mem, nproc, fsize, nofile = limits
-pid = os.fork()  # this process stays PID 1 of the namespace: when it exits, the kernel kills all that is left
-if pid == 0:
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # SIGXCPU at the soft limit: reported as a timeout
-    for what, n in ((resource.RLIMIT_AS, mem << 20), (resource.RLIMIT_NPROC, nproc), (resource.RLIMIT_FSIZE, fsize << 20),
-                    (resource.RLIMIT_NOFILE, nofile), (resource.RLIMIT_CORE, 0)):
-        resource.setrlimit(what, (n, n))
-    os.chdir(work)
-    os.environ.clear()
-    os.environ.update({"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": work, "TMPDIR": work})
-    sys.argv = ["harness.py", *sys.argv[4:]]
-    exec(compile(open("harness.py").read(), "harness.py", "exec"), {"__name__": "__main__"})  # no second start-up
-    sys.stdout.flush()
-    os._exit(0)
-status = os.waitpid(pid, 0)[1]
-os._exit(128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
-"""
-
-HARNESS = r"""
-import ast, builtins, os, subprocess, sys
-nonce, style, timeout_s = sys.stdin.readline().strip(), sys.argv[1], float(sys.argv[2])
-devnull = os.open(os.devnull, os.O_RDONLY)
-os.dup2(devnull, 0)
-write, results = os.write, int(sys.argv[3])  # bound now: the program may rebind names, not these
-def report(passed, total, status, message=""):
-    write(results, f"{nonce} {passed} {total} {status} {message[:300]!r}\n".encode())
-if style == "stdio":
-    cases = __import__("json").load(open("cases.json"))
-    outcome = []
-    for stdin, expected in cases:
-        try:
-            run = subprocess.run([sys.executable, "-I", "-X", "utf8", "solution.py"], input=stdin.encode(),
-                                 capture_output=True, timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            report(sum(outcome), len(cases), "timeout", "a case ran past the time limit")
-            raise SystemExit(0)
-        got = [line.rstrip() for line in run.stdout.decode(errors="replace").rstrip().splitlines()]
-        want = [line.rstrip() for line in expected.rstrip().splitlines()]
-        outcome.append(run.returncode == 0 and got == want)
-        sys.stdout.buffer.write(run.stdout[:4096]); sys.stderr.buffer.write(run.stderr[:4096])
-    passed = sum(outcome)
-    report(passed, len(cases), "ok" if passed == len(cases) else "failed", "" if passed == len(cases) else
-           "cases " + " ".join("1" if o else "0" for o in outcome))
-    raise SystemExit(0)
-tests = ast.parse(open("tests.py").read())
-steps = [(isinstance(s, ast.Assert) or (isinstance(s, ast.Expr) and isinstance(s.value, ast.Call)),
-          compile(ast.Module([s], []), "tests.py", "exec")) for s in tests.body]
-total = sum(is_test for is_test, _ in steps)
-pristine = dict(builtins.__dict__)
-namespace = {"__name__": "solution", "__builtins__": builtins}
-def kind(e):
-    return "memory" if isinstance(e, MemoryError) else "crashed"
-try:
-    exec(compile(open("solution.py").read(), "solution.py", "exec"), namespace)
-except BaseException as e:
-    report(0, total, kind(e), f"the program raised {type(e).__name__}: {e}")
-    raise SystemExit(0)
-passed, failed = 0, []
-for i, (is_test, code) in enumerate(steps):
-    builtins.__dict__.clear(); builtins.__dict__.update(pristine)  # what the program patched does not reach a test
-    try:
-        exec(code, namespace)
-        passed += is_test
-    except BaseException as e:
-        if isinstance(e, MemoryError):
-            report(passed, total, "memory", f"test {i + 1}: MemoryError")
-            raise SystemExit(0)
-        if not is_test:
-            report(passed, total, "crashed", f"set-up statement {i + 1} raised {type(e).__name__}: {e}")
-            raise SystemExit(0)
-        failed.append(f"{i + 1}: {type(e).__name__}")
-report(passed, total, "ok" if passed == total else "failed", "; ".join(failed))
-"""
-
-
-# ------------------------------------------------------------------------------------------------
-# The trainer's side.
-
 class SandboxUnavailable(RuntimeError):
     """This machine cannot run the sandbox (no unprivileged user namespaces, no unshare): the message says how."""
+
+
+class ProgramError(Exception):
+    """Raised into the tests where the program raised an exception that is not one of Python's own (their name and
+    message come back, not the object), or returned a value wire.py cannot send."""
 
 
 def _drop_to_nobody() -> bool:
@@ -225,94 +145,172 @@ def _user() -> dict[str, Any]:
     return dict(user=NOBODY, group=NOBODY, extra_groups=[]) if _drop_to_nobody() else {}
 
 
-def _run(files: dict[str, str], style: str, limits: Limits) -> CodeResult:
-    """Run HARNESS over `files` (solution.py, and tests.py or cases.json) in a fresh sandbox."""
-    t0 = time.monotonic()
-    try:
-        python = interpreter()
-    except SandboxUnavailable as e:
-        return CodeResult(0, 0, "refused", str(e))
-    work = tempfile.mkdtemp(prefix="rlcli-code-")
-    try:
-        for name, text in {**files, "harness.py": HARNESS}.items():
-            with open(os.path.join(work, name), "w", encoding="utf-8") as f:
-                f.write(text)
-        if _drop_to_nobody():
-            for p in [work, *(os.path.join(work, n) for n in os.listdir(work))]:
-                os.chown(p, NOBODY, NOBODY)
-        return _supervise(python, work, style, limits, t0)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+@functools.lru_cache(maxsize=1)
+def _sandbox_files() -> dict[str, bytes]:
+    return {name: (SANDBOX / name).read_bytes() for name in SANDBOX_FILES}
 
 
-def _supervise(python: str, work: str, style: str, limits: Limits, t0: float) -> CodeResult:
-    nonce = secrets.token_hex(16)
-    read_end, write_end = os.pipe()
-    cpu = max(1, int(limits.timeout_s + 1))
-    caps = f"{cpu},{limits.memory_mb},{limits.processes},{limits.file_size_mb},{limits.open_files}"
-    cmd = ["unshare", "--user", "--map-root-user", "--net", "--mount", "--pid", "--fork", "--mount-proc",
-           "--kill-child", python, "-I", "-X", "utf8", "-c", LAUNCHER, work, caps, python, style, str(limits.timeout_s), str(write_end)]
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            pass_fds=(write_end,), start_new_session=True, env={"PATH": "/usr/bin:/bin"}, **_user())
-    os.close(write_end)
-    output, lines = bytearray(), bytearray()
-    over = threading.Event()
+# ------------------------------------------------------------------------------------------------
+# One sandbox, seen from the trainer.
 
-    def drain(fd: int, into: bytearray, cap: int) -> None:
+class _Ended(BaseException):
+    """The sandbox can answer no more: `status` (one of STATUSES) and why. A BaseException, so that a test's own
+    `except Exception` does not swallow it."""
+
+    def __init__(self, status: str, message: str):
+        super().__init__(status, message)
+        self.status, self.message = status, message
+
+
+class _Sandbox:
+    """An execution's sandbox process: launcher.py under `unshare`, harness.py inside it. Its stdout and stderr are
+    drained up to OUTPUT_CAP; messages (wire.py) go out on one pipe and come back on another, each read and write
+    waiting at most until the deadline (start + timeout_s + START_S). Once it has ended (died, timed out, passed a
+    cap, said something malformed), `ended` says why and every call raises _Ended."""
+
+    def __init__(self, python: str, work: str, style: str, limits: Limits):
+        self.timeout_s = limits.timeout_s
+        self.cpu = max(1, int(limits.timeout_s + 1))
+        self.deadline = time.monotonic() + limits.timeout_s + START_S
+        self.ended: _Ended | None = None
+        self.buffer = bytearray()
+        self.output = bytearray()
+        self.over = threading.Event()
+        caps = f"{self.cpu},{limits.memory_mb},{limits.processes},{limits.file_size_mb},{limits.open_files}"
+        calls_r, self.calls = os.pipe()
+        self.answers, answers_w = os.pipe()
+        try:
+            self.proc = subprocess.Popen(
+                ["unshare", "--user", "--map-root-user", "--net", "--mount", "--pid", "--fork", "--mount-proc",
+                 "--kill-child", python, "-I", "-B", "-X", "utf8", os.path.join(work, "launcher.py"), work, caps,
+                 style, str(limits.timeout_s), str(calls_r), str(answers_w)],
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, pass_fds=(calls_r, answers_w),
+                start_new_session=True, env={"PATH": "/usr/bin:/bin"}, **_user())
+        except BaseException:
+            for fd in (self.calls, self.answers):
+                os.close(fd)
+            raise
+        finally:
+            os.close(calls_r)
+            os.close(answers_w)
+        os.set_blocking(self.calls, False)
+        self.drain = threading.Thread(target=self._drain, daemon=True)
+        self.drain.start()
+
+    def _drain(self) -> None:
+        fd = self.proc.stdout.fileno()
         while chunk := os.read(fd, 65536):
-            room = cap - len(into)
-            into += chunk[:max(room, 0)]
+            room = OUTPUT_CAP - len(self.output)
+            self.output += chunk[:max(room, 0)]
             if len(chunk) > room:
-                over.set()
-                _kill(proc)
+                self.over.set()
+                _kill(self.proc)
                 return
 
-    readers = [threading.Thread(target=drain, args=(proc.stdout.fileno(), output, OUTPUT_CAP), daemon=True),
-               threading.Thread(target=drain, args=(read_end, lines, 64 * 1024), daemon=True)]
-    for r in readers:
-        r.start()
-    try:
-        proc.stdin.write(nonce.encode() + b"\n")
-        proc.stdin.close()
-    except BrokenPipeError:
-        pass
-    timed_out = False
-    try:
-        proc.wait(timeout=limits.timeout_s + 2.0)  # the harness's start-up (~0.1 s) on top of the program's limit
-    except subprocess.TimeoutExpired:
-        timed_out = True
-    _kill(proc)
-    proc.wait()
-    for r in readers:
-        r.join(timeout=5)
-    os.close(read_end)
-    proc.stdout.close()
-    text = output.decode(errors="replace")
-    seconds = time.monotonic() - t0
-    if over.is_set():
-        return CodeResult(0, 0, "output_limit", f"output past {OUTPUT_CAP} bytes", text, seconds)
-    report = [line.split(" ", 4) for line in lines.decode(errors="replace").splitlines() if line.startswith(nonce + " ")]
-    if timed_out and not report:
-        return CodeResult(0, 0, "timeout", f"ran past {limits.timeout_s:g} s", text, seconds)
-    if not report:
-        code = proc.returncode or 0
+    def _wait(self, fd: int, event: int) -> None:
+        """Until `fd` is ready for `event` (select.POLLIN, POLLOUT); the deadline ends the execution."""
+        poll = select.poll()
+        poll.register(fd, event)
+        while not poll.poll(max(0.0, self.deadline - time.monotonic()) * 1000):
+            if time.monotonic() >= self.deadline:
+                self.end("timeout", f"ran past {self.timeout_s:g} s")
+
+    def end(self, status: str, message: str) -> None:
+        """Stop the sandbox for good and raise _Ended (output_limit wins: the kill came from passing the cap)."""
+        if self.ended is None:
+            _kill(self.proc)
+            if self.over.is_set():
+                status, message = "output_limit", f"output past {OUTPUT_CAP} bytes"
+            self.ended = _Ended(status, message)
+        raise self.ended
+
+    def _exited(self) -> None:
+        """The sandbox closed its end: why, from its exit status."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=max(0.0, self.deadline - time.monotonic()))
+        code = self.proc.returncode or 0
         sig = code - 128 if code > 128 else -code if code < 0 else 0  # the launcher reports a signal as 128 + it
         if sig == signal.SIGXCPU:
-            return CodeResult(0, 0, "timeout", f"ran past its {cpu} CPU seconds", text, seconds)
+            self.end("timeout", f"ran past its {self.cpu} CPU seconds")
         why = f"was killed by {signal.Signals(sig).name}" if sig > 0 else f"exited with status {code}"
-        return CodeResult(0, 0, "crashed", f"no result: the program {why} before its tests ran to the end", text,
-                          seconds)
-    _, passed, total, status, message = report[-1]
-    return CodeResult(int(passed), int(total), status, _unquote(message), text, seconds)
+        self.end("crashed", f"the program {why} before its tests ran to the end")
 
+    def send(self, data: bytes) -> None:
+        if self.ended:
+            raise self.ended
+        view = memoryview(data)
+        while view:
+            self._wait(self.calls, select.POLLOUT)
+            try:
+                view = view[os.write(self.calls, view):]
+            except BlockingIOError:
+                continue
+            except BrokenPipeError:
+                self._exited()
 
-def _unquote(text: str) -> str:
-    import ast
+    def receive(self) -> dict[str, Any]:
+        """The next message, parsed (wire.parse)."""
+        if self.ended:
+            raise self.ended
+        while (end := self.buffer.find(b"\n")) < 0:
+            if len(self.buffer) > ANSWER_CAP:
+                self.end("output_limit", f"a message from the sandbox past {ANSWER_CAP} bytes")
+            self._wait(self.answers, select.POLLIN)
+            chunk = os.read(self.answers, 1 << 16)
+            if not chunk:
+                self._exited()
+            self.buffer += chunk
+        line = bytes(self.buffer[:end])
+        del self.buffer[:end + 1]
+        try:
+            return wire.parse(line)
+        except wire.Malformed as e:
+            self.end("crashed", f"the sandbox answered something malformed ({e})")
 
-    try:
-        return str(ast.literal_eval(text))
-    except (ValueError, SyntaxError):
-        return text
+    def expect(self, key: str, reply: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The next message (or `reply`, received already), which must carry `key`; a `fatal` one ends the execution
+        with its status, any other the same as malformed."""
+        reply = self.receive() if reply is None else reply
+        if key in reply:
+            return reply
+        fatal = reply.get("fatal")
+        if fatal in ("crashed", "memory", "timeout"):
+            self.end(fatal, str(reply.get("message", ""))[:300])
+        self.end("crashed", f"the sandbox answered something malformed (no {key!r}: {str(reply)[:80]})")
+
+    def call(self, name: str, args: tuple, kwargs: dict) -> Any:
+        """The program's `name(*args, **kwargs)`, run in the sandbox: its value, or its exception raised here."""
+        try:
+            data = wire.message(call=name, args=wire.tag(list(args)), kwargs=wire.tag(kwargs))
+        except wire.Unencodable as e:
+            raise ProgramError(f"an argument of {name} cannot be sent to the program: {e}") from None
+        self.send(data)
+        reply = self.receive()
+        if "answer" in reply:
+            try:
+                return wire.untag(reply["answer"])
+            except wire.Malformed as e:
+                self.end("crashed", f"the sandbox answered something malformed ({e})")
+        if "raised" in reply:
+            raise _mirror(str(reply["raised"]), str(reply.get("message", ""))[:300])
+        if "unencodable" in reply:
+            raise ProgramError(str(reply["unencodable"])[:300])
+        return self.expect("answer", reply)  # fatal or malformed: ends
+
+    def close(self, wait: bool = True) -> str:
+        """Let the sandbox finish (it exits when the calls pipe closes; `wait`), kill what is left, and return its
+        output. Once only; later calls return the output again."""
+        if not self.proc.stdout.closed:
+            os.close(self.calls)
+            if wait and self.ended is None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(timeout=max(0.0, min(1.0, self.deadline - time.monotonic())))
+            _kill(self.proc)
+            self.proc.wait()
+            self.drain.join(timeout=5)
+            os.close(self.answers)
+            self.proc.stdout.close()
+        return self.output.decode(errors="replace")
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -321,24 +319,189 @@ def _kill(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-def execute(program: str, tests: str, timeout_s: float = 5.0, memory_mb: int = 512) -> CodeResult:
-    """Run `program`, then the assert-style `tests` in its namespace, in a fresh sandbox. -> CodeResult."""
-    import ast
+def _mirror(name: str, message: str) -> Exception:
+    """The program's exception as the tests see it: Python's own class of that name, else ProgramError."""
+    cls = getattr(builtins, name, None)
+    if isinstance(cls, type) and issubclass(cls, Exception):
+        with contextlib.suppress(Exception):
+            return cls(message)  # some (UnicodeDecodeError) take other arguments: ProgramError then
+    return ProgramError(f"{name}: {message}")
 
+
+class _Proxy:
+    """The program's function `name` as the tests see it: each call runs in the sandbox (_Sandbox.call)."""
+
+    __slots__ = ("_box", "_name")
+
+    def __init__(self, box: _Sandbox, name: str):
+        self._box, self._name = box, name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._box.call(self._name, args, kwargs)
+
+    def __repr__(self) -> str:
+        return f"<the program's {self._name}>"
+
+
+@contextlib.contextmanager
+def _sandbox(python: str, files: dict[str, str], style: str, limits: Limits):
+    """A fresh working directory holding `files` and the sandbox's own, and the sandbox started on it; on exit the
+    sandbox is stopped and the directory removed."""
+    work = tempfile.mkdtemp(prefix="rlcli-code-")
+    box = None
     try:
-        ast.parse(tests)
+        for name, data in {**{n: t.encode() for n, t in files.items()}, **_sandbox_files()}.items():
+            with open(os.path.join(work, name), "wb") as f:
+                f.write(data)
+        if _drop_to_nobody():
+            for p in [work, *(os.path.join(work, n) for n in os.listdir(work))]:
+                os.chown(p, NOBODY, NOBODY)
+        box = _Sandbox(python, work, style, limits)
+        yield box
+    finally:
+        if box is not None:
+            box.close(wait=False)  # a no-op after the caller's close; at once on the way out of an exception
+        shutil.rmtree(work, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# The tests' side.
+
+def _is_test(stmt: ast.stmt) -> bool:
+    return isinstance(stmt, ast.Assert) or (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call))
+
+
+def _prefix_code(prefix: str) -> ast.Module:
+    """The task's prefix as code this side can run for its helpers and imports: HumanEval's prompt (helpers, then
+    the entry point's signature and docstring) parses as it is, a bare signature once given a body; of a prefix that
+    does not parse either way, the import lines (or nothing)."""
+    imports = "".join(line + "\n" for line in prefix.splitlines() if IMPORT.match(line))
+    for text in (prefix, prefix + "    pass\n", imports):
+        with contextlib.suppress(SyntaxError):
+            return ast.parse(text)
+    return ast.Module([], [])
+
+
+def _free_names(tests: ast.Module, prefix: ast.Module) -> list[str]:
+    """The names the tests load that neither they nor the prefix bind and that are not builtins: what they take from
+    the program (`assert f(2) == 4` -> ["f"]), or a standard module the program imported for them (`math`)."""
+    loaded, bound = set(), set(dir(builtins))
+    for tree in (tests, prefix):
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Name):
+                if not isinstance(node.ctx, ast.Load):
+                    bound.add(node.id)
+                elif tree is tests:
+                    loaded.add(node.id)
+            elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                bound.add(node.name)
+            elif isinstance(node, ast.arg):
+                bound.add(node.arg)
+            elif isinstance(node, ast.alias):
+                bound.add((node.asname or node.name).split(".")[0])
+            elif isinstance(node, ast.ExceptHandler) and node.name:
+                bound.add(node.name)
+    return sorted(loaded - bound)
+
+
+def execute(program: str, tests: str, timeout_s: float = 5.0, memory_mb: int = 512, *, prefix: str = "",
+            entry_point: str | None = None) -> CodeResult:
+    """Run `program` in a fresh sandbox and the assert-style `tests` here, against it. -> CodeResult.
+
+    `prefix` (the task's, already part of `program` where it belongs) is run here too, for the helpers and imports
+    the tests use; `entry_point` names the program's function the tests call (default: every name the tests load
+    that they, the prefix and the builtins do not define)."""
+    t0 = time.monotonic()
+    try:
+        body = ast.parse(tests).body
     except SyntaxError as e:
         return CodeResult(0, 0, "refused", f"the tests do not parse: {e}")
-    return _run({"solution.py": program, "tests.py": tests}, "assert", Limits(timeout_s, memory_mb))
+    trusted = _prefix_code(prefix)
+    steps = [(_is_test(s), compile(ast.Module([s], []), "tests.py", "exec")) for s in body]
+    total = sum(is_test for is_test, _ in steps)
+    try:
+        python = interpreter()
+    except SandboxUnavailable as e:
+        return CodeResult(0, 0, "refused", str(e))
+    namespace: dict[str, Any] = {"__name__": "tests"}
+    names = [entry_point] if entry_point else []
+    try:
+        exec(compile(trusted, "prefix.py", "exec"), namespace)
+        for name in [] if entry_point else _free_names(ast.Module(body, []), trusted):
+            if name in sys.stdlib_module_names:  # tests that lean on the program's `import math`
+                namespace[name] = importlib.import_module(name)
+            else:
+                names.append(name)
+    except Exception as e:
+        return CodeResult(0, total, "crashed", f"the task's prefix raised {type(e).__name__}: {e}")
+    passed, failed, status, message = 0, [], "", ""
+    with _sandbox(python, {"solution.py": program}, "assert", Limits(timeout_s, memory_mb)) as box:
+        try:
+            box.expect("ready")
+            namespace.update({name: _Proxy(box, name) for name in names})
+            for i, (is_test, code) in enumerate(steps, 1):
+                if time.monotonic() >= box.deadline:
+                    box.end("timeout", f"ran past {timeout_s:g} s")
+                try:
+                    exec(code, namespace)
+                except Exception as e:
+                    if box.ended:
+                        raise box.ended from None
+                    if not is_test:
+                        status, message = "crashed", f"set-up statement {i} raised {type(e).__name__}: {e}"
+                        break
+                    failed.append(f"{i}: {type(e).__name__}")
+                    continue
+                if box.ended:  # a test that caught the sandbox's end did not pass
+                    raise box.ended
+                passed += is_test
+        except _Ended as end:
+            status, message = end.status, end.message
+        output = box.close()
+    if not status:
+        status = "ok" if total and passed == total else "failed"
+        message = "; ".join(failed) if total else "the tests hold no test"
+    return CodeResult(passed, total, status, message[:300], output, time.monotonic() - t0)
+
+
+def _lines(text: str) -> list[str]:
+    return [line.rstrip() for line in text.rstrip().splitlines()]
 
 
 def execute_stdio(program: str, cases: list[tuple[str, str]], timeout_s: float = 5.0,
                   memory_mb: int = 512) -> CodeResult:
-    """Run `program` once per (stdin, expected stdout) case, in one fresh sandbox. -> CodeResult."""
+    """Run `program` once per (stdin, expected stdout) case, in one fresh sandbox that sees the stdins only; compare
+    here. -> CodeResult."""
+    t0 = time.monotonic()
     if not cases:
         return CodeResult(0, 0, "refused", "no cases")
-    return _run({"solution.py": program, "cases.json": json.dumps([list(c) for c in cases])}, "stdio",
-                Limits(timeout_s, memory_mb))
+    try:
+        python = interpreter()
+    except SandboxUnavailable as e:
+        return CodeResult(0, 0, "refused", str(e))
+    outcome: list[bool] = []
+    status = message = ""
+    stdins = json.dumps([stdin for stdin, _ in cases])
+    with _sandbox(python, {"solution.py": program, "stdins.json": stdins}, "stdio", Limits(timeout_s, memory_mb)) as box:
+        try:
+            for i, (_, expected) in enumerate(cases):
+                reply = box.expect("case")
+                try:
+                    stdout = wire.untag(reply.get("stdout"))
+                except wire.Malformed:
+                    stdout = None
+                if reply["case"] != i or type(stdout) is not bytes or type(reply.get("returncode")) is not int:
+                    box.end("crashed", f"the sandbox answered something malformed for case {i + 1}")
+                outcome.append(reply["returncode"] == 0 and reply.get("truncated") is False
+                               and _lines(stdout.decode(errors="replace")) == _lines(expected))
+        except _Ended as end:
+            status, message = end.status, end.message
+        output = box.close()
+    passed = sum(outcome)
+    if not status:
+        status = "ok" if passed == len(cases) else "failed"
+        message = "" if status == "ok" else "cases " + " ".join("1" if o else "0" for o in outcome)
+    return CodeResult(passed, len(cases), status, message, output, time.monotonic() - t0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -376,7 +539,7 @@ def run_ground_truth(program: str, ground_truth: str, timeout_s: float, memory_m
             program = "".join(line + "\n" for line in prefix.splitlines() if IMPORT.match(line)) + program
         if url:
             return remote_execute(url, program, truth["assert"], "assert", timeout_s)
-        return execute(program, truth["assert"], timeout_s, memory_mb)
+        return execute(program, truth["assert"], timeout_s, memory_mb, prefix=prefix, entry_point=entry)
     if "stdio" in truth:
         cases = [(str(i), str(o)) for i, o in truth["stdio"]]
         if url:

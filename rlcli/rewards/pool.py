@@ -1,4 +1,9 @@
-"""A pool of sandboxed worker processes for functions of untrusted input (reward verification).
+"""A pool of worker processes for trusted functions of untrusted input (reward verification, tool calls).
+
+It isolates nothing: a worker is an ordinary process of the trainer's user, with its files, network and
+environment. What the pool adds is a clock, a memory cap and a restart per item. Code the policy wrote
+runs only in the code sandbox (rlcli/rewards/sandbox/, started per execution by rlcli/rewards/code.py from
+inside a worker). The class keeps its historical name, SandboxPool.
 
 Why processes:
 - math-verify's own timeouts use ``signal.alarm``, which only works on a main thread, and model output
@@ -80,7 +85,8 @@ class _Worker:
 
 
 class SandboxPool:
-    """Long-lived worker processes that run ``task(item)`` with per-item timeouts.
+    """Long-lived worker processes that run ``task(item)`` with per-item timeouts and a memory cap (a worker pool:
+    no isolation, see the module docstring; the name is historical).
 
     ``task`` and ``setup`` are dotted paths (``"pkg.module.fn"``) imported in the worker;
     ``setup(*setup_args)`` runs once per worker, before any item. Workers start in the constructor
