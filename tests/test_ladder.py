@@ -388,14 +388,22 @@ def test_the_held_out_panel_says_how_the_runs_evaluated():
     assert held_out_title([greedy, sampled]) == "held-out accuracy, avg@4 at temperature 1 / greedy (eval/acc)"
 
 
-def test_plot_labels_plain_runs_by_dir_name(tmp_path):
+def test_plot_labels_plain_runs_by_dir_name(tmp_path, monkeypatch):
     for seed in (1, 2):
         d = fake_run(tmp_path, seed, 0, seed)
         cfg = OmegaConf.load(d / "config.yaml")
         cfg.ladder = {"paper": None, "rung": None, "index": None, "paper_score": None, "changes": []}
         OmegaConf.save(cfg, d / "config.yaml")
     (groups,) = group_runs(find_runs([tmp_path]))
-    assert groups.label == "1_dapo_00_naive_grpo" and len(groups.runs) == 2
+    assert groups.label == "dapo_00_naive_grpo, seeds 1, 2" and len(groups.runs) == 2  # a sweep's job number dropped
+    for seed in (1, 2):  # a seed sweep's folders (hydra.sweep.subdir): 0_seed=1, 1_seed=2
+        (tmp_path / f"{seed}_dapo_00_naive_grpo_seed{seed}").rename(tmp_path / f"{seed - 1}_seed={seed}")
+    (groups,) = group_runs(find_runs([tmp_path]))
+    assert groups.label == "seeds 1, 2"
+    from rlcli.loop.plot import main
+
+    monkeypatch.chdir(tmp_path / "0_seed=1")  # not where the figure goes: beside the runs it draws
+    assert main([str(tmp_path)]) == 0 and (tmp_path / "figure.png").read_bytes()[:8] == PNG_MAGIC
 
 
 def test_plot_labels_a_sweep_by_the_values_it_varied(tmp_path):

@@ -136,10 +136,20 @@ def group_runs(runs: list[Run]) -> list[Group]:
         members.sort(key=lambda r: (r.seed is None, r.seed or 0, str(r.path)))
         flat = flatten(members[0].config)
         swept = ", ".join(f"{k}={flat.get(k)}" for k in differ)
-        name = members[0].path.name  # a lone group: its folder, less the seed of its first member
-        label = members[0].ladder.get("rung") or swept or (re.sub(r"_?seed\d+$", "", name) if len(members) > 1 else name)
+        label = members[0].ladder.get("rung") or swept or seed_label(members)
         out.append(Group(label=label, runs=members))
     return sorted(out, key=lambda g: g.sort_key)
+
+
+def seed_label(members: list[Run]) -> str:
+    """A lone group's label: its folder's name (less a sweep's job number and seed: `0_seed=1`, `run_seed3`), and the
+    seeds it averages when it holds several runs (`seeds 1, 2, 3`)."""
+    name = members[0].path.name
+    if len(members) == 1:
+        return name
+    base = re.sub(r"^\d+_|[_,]?seed=?\d+$", "", name).strip("_,")
+    seeds = ", ".join(str(r.seed) for r in members if r.seed is not None)
+    return ", ".join(part for part in (base, f"seeds {seeds}" if seeds else "") if part) or name
 
 
 def differing_keys(configs: list[dict[str, Any]]) -> list[str]:
@@ -198,6 +208,7 @@ def figure(groups: list[Group], out: str | Path, title: str | None = None, metri
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
+    from matplotlib.ticker import MaxNLocator
 
     panels = dict(PANELS)
     if any("eval/acc" in row for g in groups for r in g.runs for row in r.metrics):
@@ -229,6 +240,7 @@ def figure(groups: list[Group], out: str | Path, title: str | None = None, metri
                 ax.fill_between(steps, lo, hi, color=colors(i % 10), alpha=0.15, lw=0)
         ax.set_title(name, fontsize=10)
         ax.set_xlabel("training step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no tick at step 1.25
         ax.grid(alpha=0.3)
 
     if with_eval:
@@ -281,7 +293,7 @@ def parser() -> argparse.ArgumentParser:
         "seeds of the same config are averaged.",
     )
     p.add_argument("paths", nargs="+", help="run directories (holding config.yaml) or directories above them")
-    p.add_argument("--out", default="figure.png", help="output PNG (default: figure.png)")
+    p.add_argument("--out", default=None, help="output PNG (default: figure.png in the first path)")
     p.add_argument("--title", default=None, help="figure title")
     p.add_argument("--metrics", nargs="+", default=[], metavar="KEY",
                    help="more panels: logged metrics by name, e.g. reward/rm reward/rm_std (docs/metrics.md)")
@@ -291,7 +303,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     groups = group_runs(find_runs(args.paths))
-    path = figure(groups, args.out, args.title, tuple(args.metrics))
+    path = figure(groups, args.out or Path(args.paths[0]) / "figure.png", args.title, tuple(args.metrics))
     runs = sum(len(g.runs) for g in groups)
     print(f"{runs} runs in {len(groups)} groups: {', '.join(g.label for g in groups)}")
     print(f"wrote {path}")
