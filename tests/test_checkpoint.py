@@ -501,7 +501,8 @@ def test_every_loop_state_field_survives_a_save_and_a_load():
                          next_group=0)
 
     data = {"next_group": 17, "step": 5, "train_seconds": 12.5, "result": {"eval/acc_before": 0.25},
-            "skipped_in_a_row": 2, "last_finite": {"step": 3, "acc/mean": 0.5}}
+            "skipped_in_a_row": 2, "last_finite": {"step": 3, "acc/mean": 0.5}, "no_signal_in_a_row": 1,
+            "no_signal_steps": 4}
     names = {f.name for f in dataclasses.fields(LoopState)}
     assert names == set(data) | set(CARRIED), f"a LoopState field this test does not set: {names - set(data) - set(CARRIED)}"
     s = fresh()
