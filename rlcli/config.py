@@ -303,7 +303,7 @@ class EnvConfig:
     tool_memory_mb: int = rng(1024, ge=64)
     """Address-space cap of each tool worker process."""
     tool_workers: int = rng(2, ge=1)
-    """Sandboxed processes that run tool calls (rlcli/rewards/pool.py)."""
+    """Worker processes that run tool calls (rlcli/rewards/pool.py: a clock and a memory cap, no isolation)."""
 
 
 @dataclass
@@ -351,7 +351,8 @@ class LoggerConfig:
     """Print a metrics line every this many steps."""
     rollouts: bool = False
     """Also write each training step's trained trajectories to run_dir/rollouts/step_N.jsonl, one row each: prompt,
-    response, reward, acc, group id, the policy version that generated it (verl's rollout_data_dir)."""
+    response, reward, acc, group id, the policy version that generated it, the reward audit's flag (audit_flagged,
+    docs/rewards.md) (verl's rollout_data_dir)."""
 
 
 @dataclass

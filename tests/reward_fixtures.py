@@ -1,4 +1,4 @@
-"""User reward functions for tests/test_rewards.py, imported by dotted path inside sandbox workers."""
+"""User reward functions for tests/test_rewards.py, imported by dotted path inside the reward workers."""
 
 import contextlib
 import os
@@ -68,3 +68,9 @@ def slow_tail(response: str, ground_truth: str) -> float:
     if ground_truth.strip().endswith("7"):
         time.sleep(0.3)
     return float(response.count("7"))
+
+
+def sevens_audited(response: str, ground_truth: str) -> tuple[float, dict[str, float]]:
+    """count_sevens, with the reward audit's flag (rlcli.rewards.code.AUDIT) on every response that holds a '7': a
+    stand-in for a check that fails, to follow the flag from the worker to metrics.jsonl."""
+    return float(response.count("7")), {"audit_flagged": float("7" in response)}

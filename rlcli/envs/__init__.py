@@ -2,7 +2,7 @@
 (docs/tools.md).
 
     env.py      the Environment protocol (reset / step), StepResult, ToolEnv over @tool functions
-    tools.py    @tool, call formats, the workers' side of tool calls (a sandboxed pool, as the reward's)
+    tools.py    @tool, call formats, the workers' side of tool calls (the reward's worker pool)
     chat.py     the token contract: observation tokens cut from the chat template's rendering
     rollout.py  MultiTurn: wraps a rollout engine; same `generate` contract, multi-turn rows
 

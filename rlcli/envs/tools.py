@@ -1,4 +1,4 @@
-"""Tools: plain Python functions the policy calls between its turns, run in a sandboxed worker pool.
+"""Tools: plain Python functions the policy calls between its turns, run in worker processes.
 
     from rlcli.envs import tool
 
@@ -13,8 +13,9 @@
 A tool's schema (name, description, parameters) comes from its type hints and its Google-style docstring,
 through transformers' `get_json_schema`, the format chat templates take as `tools=`; it is made when a run starts. Config names tools by
 dotted path (`env.tools: [mypkg.tools.calc]`), so they import both here (schemas, call parsing) and in the
-workers that run them: the reward's `SandboxPool` (rlcli/rewards/pool.py), one process per worker with an
-address-space cap, a soft and a hard timeout, and a replacement when a worker dies. A tool's exception or
+workers that run them: the reward's `RewardWorkerPool` (rlcli/rewards/pool.py), one process per worker with an
+address-space cap, a soft and a hard timeout, and a replacement when a worker dies. It isolates nothing: a tool runs
+as the trainer's user, with its files and network, so tools are trusted code (only their arguments are the policy's). A tool's exception or
 timeout comes back as text the policy reads (`error: ...`) and as a counted metric, never as a crash.
 
 Call formats (`env.tool_format`), how a call is written in the model's message:

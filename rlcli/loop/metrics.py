@@ -48,6 +48,7 @@ HEADLINE: tuple[tuple[tuple[str, ...], str, Callable[[float], str | None]], ...]
     (("reward/mean",), "reward", _fixed(3)),
     (("reward/rm",), "rm", _fixed(3)),  # the reward model's raw score (reward/mean holds it normalised)
     (("reward/judge_unparsed",), "judge_unparsed", _fixed(0)),  # a judge's replies without a verdict (scored 0)
+    (("reward/audit_flagged",), "audit", _nonzero(_fixed(3))),  # paid the maximum, failed an independent check
     (("response_length/mean",), "len", _fixed(1)),
     (("actor/pg_loss",), "pg_loss", _nonzero(_fixed(4))),
     (("critic/vf_loss",), "vf_loss", _fixed(4)),
@@ -257,8 +258,11 @@ def dump_rollouts(run_dir: str, step: int, batch: Any, tokenizer: Any) -> None:
     responses = tokenizer.batch_decode([ids[m.bool()] for ids, m in zip(batch.response_ids, batch.token_mask)],
                                        skip_special_tokens=True)
     version = batch.version if batch.version is not None else torch.full((len(batch),), step - 1)
-    rows = [{"prompt": p, "response": t, "reward": float(r), "acc": float(a), "group": int(g), "version": int(v)}
-            for p, t, r, a, g, v in zip(prompts, responses, batch.scores, batch.acc, batch.group_index, version)]
+    flagged = batch.extras.get("reward/audit_flagged", torch.zeros(len(batch)))  # [N], the reward audit's flags
+    rows = [{"prompt": p, "response": t, "reward": float(r), "acc": float(a), "group": int(g), "version": int(v),
+             "audit_flagged": float(f)}
+            for p, t, r, a, g, v, f in zip(prompts, responses, batch.scores, batch.acc, batch.group_index, version,
+                                           flagged)]
     parts = gather_objects(rows)
     if rank() != 0:
         return

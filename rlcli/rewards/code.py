@@ -88,6 +88,10 @@ class CodeResult:
     output: str = ""
     """The program's stdout and stderr, at most OUTPUT_CAP bytes (decoded with errors replaced)."""
     seconds: float = 0.0
+    audit_failed: bool = False
+    """An `ok` execution whose task's visible examples (`visible`, run after the tests) did not all pass: the tests
+    say pass, the examples the prompt shows say otherwise. False where the task shows none, or the execution is not
+    ok."""
 
 
 @dataclass(frozen=True)
@@ -405,17 +409,23 @@ def _free_names(tests: ast.Module, prefix: ast.Module) -> list[str]:
 
 
 def execute(program: str, tests: str, timeout_s: float = 5.0, memory_mb: int = 512, *, prefix: str = "",
-            entry_point: str | None = None) -> CodeResult:
+            entry_point: str | None = None, visible: str | None = None) -> CodeResult:
     """Run `program` in a fresh sandbox and the assert-style `tests` here, against it. -> CodeResult.
 
     `prefix` (the task's, already part of `program` where it belongs) is run here too, for the helpers and imports
     the tests use; `entry_point` names the program's function the tests call (default: every name the tests load
-    that they, the prefix and the builtins do not define)."""
+    that they, the prefix and the builtins do not define). `visible` (assert style too: the examples the task's
+    prompt shows, `visible_tests`) runs after the tests, through the same proxy and clock, only when every test
+    passed: one that fails, raises or outlives the sandbox sets `audit_failed` (the verdict stays the tests')."""
     t0 = time.monotonic()
     try:
         body = ast.parse(tests).body
     except SyntaxError as e:
         return CodeResult(0, 0, "refused", f"the tests do not parse: {e}")
+    try:
+        shown = [compile(ast.Module([s], []), "visible.py", "exec") for s in ast.parse(visible or "").body]
+    except SyntaxError as e:
+        return CodeResult(0, 0, "refused", f"the visible examples do not parse: {e}")
     trusted = _prefix_code(prefix)
     steps = [(_is_test(s), compile(ast.Module([s], []), "tests.py", "exec")) for s in body]
     total = sum(is_test for is_test, _ in steps)
@@ -434,7 +444,7 @@ def execute(program: str, tests: str, timeout_s: float = 5.0, memory_mb: int = 5
                 names.append(name)
     except Exception as e:
         return CodeResult(0, total, "crashed", f"the task's prefix raised {type(e).__name__}: {e}")
-    passed, failed, status, message = 0, [], "", ""
+    passed, failed, status, message, audit_failed = 0, [], "", "", False
     with _sandbox(python, {"solution.py": program}, "assert", Limits(timeout_s, memory_mb)) as box:
         try:
             box.expect("ready")
@@ -457,11 +467,28 @@ def execute(program: str, tests: str, timeout_s: float = 5.0, memory_mb: int = 5
                 passed += is_test
         except _Ended as end:
             status, message = end.status, end.message
+        if shown and not status and total and passed == total:
+            audit_failed = not _all_pass(box, shown, namespace)
         output = box.close()
     if not status:
         status = "ok" if total and passed == total else "failed"
         message = "; ".join(failed) if total else "the tests hold no test"
-    return CodeResult(passed, total, status, message[:300], output, time.monotonic() - t0)
+    return CodeResult(passed, total, status, message[:300], output, time.monotonic() - t0, audit_failed)
+
+
+def _all_pass(box: _Sandbox, statements: list[Any], namespace: dict[str, Any]) -> bool:
+    """Whether every one of `statements` (the visible examples) runs in the tests' `namespace` without raising,
+    before the sandbox's deadline and without its end."""
+    try:
+        for code in statements:
+            if time.monotonic() >= box.deadline:
+                return False
+            exec(code, namespace)
+            if box.ended:
+                return False
+    except (Exception, _Ended):
+        return False
+    return True
 
 
 def _lines(text: str) -> list[str]:
@@ -513,6 +540,11 @@ IMPORT = re.compile(r"^(import|from)\s+\w")
 COUNTS = tuple(f"code_{s}" for s in (*STATUSES[:-1], "no_program"))
 """What the step's metrics count (reward/code_ok, ...): every execution's status but refused (a refusal stops the
 run), and responses without a program. The same names on every rank, every step (they are all-reduced)."""
+AUDIT = "audit_flagged"
+"""The one extra a reward function (or a model part, rlcli.rewards.scorer) returns that is not a count: 1.0 for a
+response that scored the part's maximum while an independent check fails (here: a visible example of the task;
+the judge: a contradictory verdict), else 0. The step logs reward/audit_flagged, the fraction of its trajectories
+that any part flagged (docs/rewards.md, "The reward audit")."""
 
 
 def extract_program(response: str, how: str = "last_block") -> str | None:
@@ -524,8 +556,74 @@ def extract_program(response: str, how: str = "last_block") -> str | None:
     return blocks[-1] if blocks else None
 
 
+def _docstring_source(prefix: str, name: str) -> str | None:
+    """The text of function `name`'s docstring in `prefix` as written in the source, escapes unread (`"a\\nb"` in
+    an example stays one line, as the model read it), or None."""
+    for text in (prefix, prefix + "    pass\n"):
+        with contextlib.suppress(SyntaxError):
+            tree = ast.parse(text)
+            break
+    else:
+        return None
+    fn = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name), None)
+    if fn is None or ast.get_docstring(fn) is None:
+        return None
+    source = ast.get_source_segment(text, fn.body[0].value) or ""
+    quoted = re.fullmatch(r"[rRuU]?(\"\"\"|'''|\"|')(.*)\1", source, re.DOTALL)
+    return quoted[2] if quoted else None
+
+
+def doctest_checks(prefix: str, entry_point: str, leave_out: tuple[str, ...] = ()) -> str | None:
+    """The `>>>` examples of the entry point's docstring in a task's prefix (HumanEval's prompt) as assert-style
+    tests, or None without one: `>>> f(x)` over the output `y` (a Python literal) is `assert f(x) == y`; an example
+    without output is asserted as written when it is a comparison (`>>> f(x) == y`, as some HumanEval docstrings
+    write it) and must be None otherwise (doctest's reading: nothing printed); a statement (`>>> xs = [1, 2]`) is
+    set-up; an example whose output is no literal (a traceback, printed text), or whose source (after `>>> `) is in
+    `leave_out`, is left out."""
+    import doctest
+
+    doc = _docstring_source(prefix, entry_point)
+    try:
+        examples = doctest.DocTestParser().get_examples(doc or "")
+    except ValueError:  # inconsistent indentation: doctest cannot read it either
+        return None
+    checks: list[ast.stmt] = []
+    for ex in (ex for ex in examples if ex.source.strip() not in leave_out):
+        want = ex.want.strip()
+        try:
+            call = ast.parse(ex.source.strip(), mode="eval").body
+        except SyntaxError:
+            with contextlib.suppress(SyntaxError):
+                checks += ast.parse(ex.source).body if not want else []
+            continue
+        if want:
+            try:
+                ast.literal_eval(want)
+            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+                continue
+            test = ast.Compare(call, [ast.Eq()], [ast.parse(want, mode="eval").body])
+        else:
+            test = call if isinstance(call, ast.Compare) else ast.Compare(call, [ast.Is()], [ast.Constant(None)])
+        checks.append(ast.Assert(test))
+    if not any(isinstance(c, ast.Assert) for c in checks):
+        return None
+    return ast.unparse(ast.fix_missing_locations(ast.Module(checks, []))) + "\n"
+
+
+def visible_tests(truth: dict[str, Any]) -> str | None:
+    """The examples an assert-style task's prompt shows, as tests: its ground truth's `visible` (code_fns writes its
+    question's example there, HumanEval rows their docstring's right ones), else its prefix's doctest examples
+    (doctest_checks); None where there are none (`visible` empty, or no `>>>` example), and then no audit."""
+    if "visible" in truth:
+        return truth["visible"] or None
+    if truth.get("prefix") and truth.get("entry_point"):
+        return doctest_checks(truth["prefix"], truth["entry_point"])
+    return None
+
+
 def run_ground_truth(program: str, ground_truth: str, timeout_s: float, memory_mb: int, url: str | None) -> CodeResult:
-    """Execute `program` against a code task's ground truth (the JSON of the module docstring)."""
+    """Execute `program` against a code task's ground truth (the JSON of the module docstring); assert style on this
+    machine with the task's visible examples after its tests (visible_tests; `audit_failed`)."""
     try:
         truth = json.loads(ground_truth)
     except json.JSONDecodeError as e:
@@ -539,7 +637,8 @@ def run_ground_truth(program: str, ground_truth: str, timeout_s: float, memory_m
             program = "".join(line + "\n" for line in prefix.splitlines() if IMPORT.match(line)) + program
         if url:
             return remote_execute(url, program, truth["assert"], "assert", timeout_s)
-        return execute(program, truth["assert"], timeout_s, memory_mb, prefix=prefix, entry_point=entry)
+        return execute(program, truth["assert"], timeout_s, memory_mb, prefix=prefix, entry_point=entry,
+                       visible=visible_tests(truth))
     if "stdio" in truth:
         cases = [(str(i), str(o)) for i, o in truth["stdio"]]
         if url:
@@ -552,15 +651,16 @@ def code_reward(response: str, ground_truth: str, *, code_extract: str = "last_b
                 code_timeout_s: float = 5.0, code_memory_mb: int = 512, code_url: str | None = None,
                 **options: Any) -> tuple[float, dict[str, float]]:
     """(the fraction of tests passed, or 1/0 for all of them (code_partial_credit=false); COUNTS, 1 for how the
-    execution ended). A response without a program scores 0, counted as code_no_program."""
+    execution ended, and AUDIT, 1 for an ok execution that fails a visible example of its task). A response without
+    a program scores 0, counted as code_no_program."""
     program = extract_program(response, code_extract)
     if program is None or not program.strip():
-        return 0.0, {name: float(name == "code_no_program") for name in COUNTS}
+        return 0.0, {**{name: float(name == "code_no_program") for name in COUNTS}, AUDIT: 0.0}
     r = run_ground_truth(program, ground_truth, code_timeout_s, code_memory_mb, code_url)
     if r.status == "refused":
         raise SandboxUnavailable(r.message)
     value = r.passed / r.total if code_partial_credit and r.total else float(r.status == "ok")
-    return value, {name: float(name == f"code_{r.status}") for name in COUNTS}
+    return value, {**{name: float(name == f"code_{r.status}") for name in COUNTS}, AUDIT: float(r.audit_failed)}
 
 
 def remote_execute(url: str, program: str, tests: Any, style: str, timeout_s: float) -> CodeResult:

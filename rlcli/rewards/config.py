@@ -28,22 +28,22 @@ from typing import Any
 
 from rlcli.core.answers import ANSWER_FORMATS
 from rlcli.core.schema import ConfigError, check_ranges, rng
-from rlcli.rewards.code import COUNTS
+from rlcli.rewards.code import AUDIT, COUNTS
 from rlcli.rewards.functions import REWARDS
 
 # Metric names the manager emits besides "reward/<part>"; a part may not take one of them, nor
 # the trainer's reward/mean and reward/std (docs/metrics.md).
 RESERVED_NAMES = ("timeouts", "errors", "restarts", "mean", "std", "pool_mean", "rm_std", "judge_errors",
-                  "judge_unparsed", "judge_cached", *COUNTS)
+                  "judge_unparsed", "judge_cached", AUDIT, *COUNTS)
 
 MODEL_PART = "rm"
 """The part a reward model scores (reward=rm, rlcli/rewards/model.py): it reads the prompt as well as the response, so
-it runs in the process that holds the batch, never in a sandbox worker; the name is no reward function's."""
+it runs in the process that holds the batch, never in a reward worker; the name is no reward function's."""
 JUDGE_PART = "judge"
 """The part a generative judge scores (reward=judge, rlcli/rewards/judge.py); like rm, in the process that holds the
 batch."""
 MODEL_PARTS = (MODEL_PART, JUDGE_PART)
-"""The parts scored by a model beside the sandboxed reward functions (rlcli.rewards.scorer.SCORERS)."""
+"""The parts scored by a model beside the reward functions of the reward workers (rlcli.rewards.scorer.SCORERS)."""
 
 NORMALIZE = ("none", "batch")
 VERDICTS = ("score", "yes_no")
@@ -155,7 +155,7 @@ class CodeConfig:
 
 @dataclass
 class RewardConfig:
-    """Task reward: which reward functions, their weights, and the verifier sandbox."""
+    """Task reward: which reward functions, their weights, and the worker processes that run them."""
 
     weights: dict[str, float] = rng(factory=lambda: {"math_verify": 1.0})
     """Active reward parts, name -> weight: built-ins (math_verify, format, length), custom names, or rm (a reward
@@ -173,7 +173,8 @@ class RewardConfig:
     timeout_s: float = rng(5.0, gt=0)
     """Wall-clock budget per response in a worker; slower responses score as failures (timeouts)."""
     num_workers: int = rng(2, ge=1)
-    """Sandbox worker processes (each imports math-verify once, ~1 s, and is reused)."""
+    """Reward worker processes (rlcli/rewards/pool.py; each imports math-verify once, ~1 s, and is reused). They
+    isolate nothing; only reward=code's programs run in a sandbox."""
     memory_mb: int = rng(2048, ge=256, why="a worker needs ~100 MiB to import math-verify")
     """Address-space cap per worker process (RLIMIT_AS), in MiB."""
     answer_format: str = rng("boxed", choices=ANSWER_FORMATS)

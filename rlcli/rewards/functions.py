@@ -1,7 +1,8 @@
-"""Reward functions (docs/rewards.md) and the per-response scorer that runs inside sandbox workers.
+"""Reward functions (docs/rewards.md) and the per-response scorer that runs inside the reward workers (pool.py).
 
 Every reward function has one signature, ``fn(response: str, ground_truth: str, **options) -> float``
-(or ``(float, {metric: count})``, counts the step's metrics sum, as ``code`` reports how each execution ended),
+(or ``(float, {metric: count})``, counts the step's metrics sum, as ``code`` reports how each execution ended; the
+key ``audit_flagged`` is no count but the response's flag for the reward audit, rlcli.rewards.code.AUDIT),
 is a top-level function (the worker imports it by name) and is registered in :data:`REWARDS`.
 ``options`` are RewardConfig fields the built-ins read (``length_target``, ``length_scale``); a
 function ignores the ones it does not use. User functions (``reward.custom``) take no options.
@@ -117,7 +118,7 @@ REWARDS.register("code")(code.code_reward)
 
 
 # ---------------------------------------------------------------------------------------------
-# Inside a sandbox worker: setup_worker() once, then score_item() per response (see pool.py).
+# Inside a reward worker: setup_worker() once, then score_item() per response (see pool.py).
 
 _PARTS: list[tuple[str, Callable[..., float], dict[str, Any]]] = []
 _MAX_CHARS: list[int] = [0]
@@ -158,7 +159,9 @@ def setup_worker(spec: dict[str, Any]) -> None:
 
 
 def score_item(item: tuple[Any, Any]) -> dict[str, Any]:
-    """Score one (response, ground_truth) pair: {"acc", "parts": {name: value}, "error"}.
+    """Score one (response, ground_truth) pair: {"acc", "parts": {name: value}, "counts", "flagged", "error"};
+    "flagged" is 1 when any part returned AUDIT = 1 (rlcli.rewards.code.AUDIT: it scored its maximum and failed an
+    independent check), else 0.
 
     A part that raises scores 0 and is reported in "error"; a malformed response or ground truth
     raises MalformedResponse, which the pool reports as an error for the whole response.
@@ -167,12 +170,15 @@ def score_item(item: tuple[Any, Any]) -> dict[str, Any]:
     ground_truth = check_text(item[1], _MAX_CHARS[0], "ground truth")
     values: dict[str, float] = {}
     counts: dict[str, float] = {}
+    flagged = 0.0
     errors: list[str] = []
     for name, fn, options in _PARTS:
         try:
             value = fn(response, ground_truth, **options)
-            if isinstance(value, tuple):  # (value, counts to add to the step's metrics)
+            if isinstance(value, tuple):  # (value, counts to add to the step's metrics, and its AUDIT flag)
                 value, more = value
+                more = dict(more)
+                flagged = max(flagged, float(more.pop(code.AUDIT, 0.0)))
                 counts.update(more)
             value = float(value)
             if not math.isfinite(value):
@@ -181,7 +187,8 @@ def score_item(item: tuple[Any, Any]) -> dict[str, Any]:
             value = 0.0
             errors.append(f"{name}: {type(e).__name__}: {describe_args(e)}")
         values[name] = value
-    return {"acc": float(values[_ACC[0]] >= 1.0), "parts": values, "counts": counts, "error": "; ".join(errors) or None}
+    return {"acc": float(values[_ACC[0]] >= 1.0), "parts": values, "counts": counts, "flagged": flagged,
+            "error": "; ".join(errors) or None}
 
 
 def describe_args(exc: BaseException) -> str:

@@ -19,7 +19,7 @@ A request nobody answers (after reward.judge.retries) fails the step with JudgeU
 naming the judge, raised in stage 2, before any update, so the latest checkpoint is the last good step; or, with
 reward.judge.on_error=zero, scores 0 and counts in reward/judge_errors.
 
-How a reply is read (parse_verdict; docs/reward_models.md, "The verdict", states the same rule). Markdown emphasis and
+How a reply is read (read_verdict; docs/reward_models.md, "The verdict", states the same rule). Markdown emphasis and
 code marks (**, *, __, backticks) are dropped. The verdict is the reply's last labelled one, or, in a reply without a
 labelled one, its last unlabelled one. A label is the word score, rating, grade or verdict (`Final verdict:`,
 `"overall_score":`, `Rating: [[8]]`) followed by its value. The value and the unlabelled verdict, by reward.judge.verdict:
@@ -30,8 +30,11 @@ labelled one, its last unlabelled one. A label is the word score, rating, grade 
           a negation in the clause (not, cannot, never, n't): `not correct` and `isn't correct` are 0. A clause
           ending in another word (`no doubt`), ending in `?`, or holding whether or if states none.
 A reply without a verdict (a refusal), or whose verdict is no score, reads None: it scores 0 and counts in
-reward/judge_unparsed. The built-in rubrics (rlcli.rewards.config.RUBRICS) ask for a fixed last line, `Score: <n>` or
-one word yes/no; no response format is requested (docs/reward_models.md says why), so free text is read as above.
+reward/judge_unparsed. A reply whose verdict is the maximum (1) but that states a lower one too, in another labelled
+verdict or in an unlabelled one after it (`Verdict: no` ... `Verdict: yes`; `Score: 10` then `3/10`), contradicts
+itself: it scores its verdict and is flagged for the reward audit (reward/audit_flagged). The built-in rubrics
+(rlcli.rewards.config.RUBRICS) ask for a fixed last line, `Score: <n>` or one word yes/no; no response format is
+requested (docs/reward_models.md says why), so free text is read as above.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from rlcli.core.schema import ConfigError
+from rlcli.rewards.code import AUDIT
 from rlcli.rewards.config import RUBRICS
 
 CACHE_DIR = "judge_cache"
@@ -86,40 +90,47 @@ def rubric_text(j: Any, prompt: str, response: str, reference: str) -> str:
     return re.sub("|".join(re.escape(k) for k in fill), lambda m: fill[m.group(0)], text)
 
 
-def _last(reply: str, labelled: str, unlabelled: str) -> re.Match[str] | None:
-    """The reply's last labelled verdict, or, without one, its last unlabelled verdict."""
-    for pattern in (labelled, unlabelled):
-        found = list(re.finditer(pattern, reply, re.IGNORECASE))
-        if found:
-            return found[-1]
-    return None
+def _score_syntax(lo: float, hi: float) -> tuple[str, str, Any]:
+    def value(m: re.Match[str]) -> float | None:
+        n = float(m[1])
+        on_scale = lo <= n <= hi and (m[2] is None or float(m[2]) == hi)
+        return (n - lo) / (hi - lo) if on_scale else None
+
+    return rf"{_LABEL}{_NUMBER}(?:{_OF}{_NUMBER})?", rf"{_NUMBER}{_OF}({re.escape(_number(hi))})(?!\.?\d)", value
 
 
-def _score(reply: str, lo: float, hi: float) -> float | None:
-    m = _last(reply, rf"{_LABEL}{_NUMBER}(?:{_OF}{_NUMBER})?", rf"{_NUMBER}{_OF}({re.escape(_number(hi))})(?!\.?\d)")
-    if m is None:
-        return None
-    n = float(m[1])
-    on_scale = lo <= n <= hi and (m[2] is None or float(m[2]) == hi)
-    return (n - lo) / (hi - lo) if on_scale else None
+def _yes_no_syntax(lo: float, hi: float) -> tuple[str, str, Any]:
+    def value(m: re.Match[str]) -> float | None:
+        v = _WORDS[m[2].lower()]
+        return 1.0 - v if _NEGATION.search(m[1]) else v
+
+    return _LABEL + _CLAUSE, rf"(?:^|(?<=[{_ENDS}])){_CLAUSE}", value
 
 
-def _yes_no(reply: str, lo: float, hi: float) -> float | None:
-    m = _last(reply, _LABEL + _CLAUSE, rf"(?:^|(?<=[{_ENDS}])){_CLAUSE}")
-    if m is None:
-        return None
-    value = _WORDS[m[2].lower()]
-    return 1.0 - value if _NEGATION.search(m[1]) else value
+SYNTAX = {"score": _score_syntax, "yes_no": _yes_no_syntax}
+"""reward.judge.verdict -> (lo, hi) -> (the labelled pattern, the unlabelled one, a match -> its verdict in [0, 1] or
+None when it is no score)."""
 
 
-READERS = {"score": _score, "yes_no": _yes_no}
-"""How each reward.judge.verdict reads a reply (markdown marks dropped) -> its verdict in [0, 1], None without one."""
+def read_verdict(reply: str, verdict: str, lo: float, hi: float) -> tuple[float | None, bool]:
+    """(the reply's verdict in [0, 1], or None without one; whether it contradicts itself), by the rule of this
+    module's docstring; `lo`, `hi`: the score range (reward.judge.min_score, max_score)."""
+    text = _MARKS.sub("", reply)
+    labelled, unlabelled, value = SYNTAX[verdict](lo, hi)
+    found = {kind: list(re.finditer(pattern, text, re.IGNORECASE)) for kind, pattern in
+             (("labelled", labelled), ("unlabelled", unlabelled))}
+    chosen = (found["labelled"] or found["unlabelled"] or [None])[-1]
+    if chosen is None:
+        return None, False
+    v = value(chosen)
+    others = [m for m in found["labelled"] if m is not chosen]
+    others += [m for m in found["unlabelled"] if m.start() >= chosen.end()]
+    return v, v == 1.0 and any(value(m) not in (None, 1.0) for m in others)
 
 
 def parse_verdict(reply: str, verdict: str, lo: float, hi: float) -> float | None:
-    """The reply's verdict in [0, 1], or None without one, by the rule of this module's docstring; `lo`, `hi`: the
-    score range (reward.judge.min_score, max_score)."""
-    return READERS[verdict](_MARKS.sub("", reply), lo, hi)
+    """The reply's verdict in [0, 1], or None without one (read_verdict)."""
+    return read_verdict(reply, verdict, lo, hi)[0]
 
 
 class JudgeCache:
@@ -316,11 +327,13 @@ class JudgeScorer:
                 f"{self.j.retries} retries (last: {self.backend.last_error}); nothing was updated, the latest "
                 "checkpoint is intact: start the judge (or fix reward.judge.url) and resume with resume=auto, or "
                 "set reward.judge.on_error=zero to score unanswered requests 0")
-        verdicts = [None if r is None else parse_verdict(r, self.j.verdict, self.j.min_score, self.j.max_score)
-                    for r in replies]
-        unparsed = sum(r is not None and v is None for r, v in zip(replies, verdicts))
-        raw = torch.tensor([0.0 if v is None else v for v in verdicts], dtype=torch.float32)  # [N]
-        return Scored(raw=raw, value=raw, extras={"judge_cached": torch.tensor(cached, dtype=torch.float32)},
+        read = [(None, False) if r is None else read_verdict(r, self.j.verdict, self.j.min_score, self.j.max_score)
+                for r in replies]
+        unparsed = sum(r is not None and v is None for r, (v, _) in zip(replies, read))
+        raw = torch.tensor([0.0 if v is None else v for v, _ in read], dtype=torch.float32)  # [N]
+        extras = {"judge_cached": torch.tensor(cached, dtype=torch.float32),  # [N]
+                  AUDIT: torch.tensor([float(c) for _, c in read], dtype=torch.float32)}  # [N]: contradictory at max
+        return Scored(raw=raw, value=raw, extras=extras,
                       counts={"judge_errors": float(errors), "judge_unparsed": float(unparsed)})
 
     def close(self) -> None:

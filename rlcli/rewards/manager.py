@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from rlcli.rewards.code import COUNTS
+from rlcli.rewards.code import AUDIT, COUNTS
 from rlcli.rewards.config import MODEL_PARTS, RewardConfig, validate
-from rlcli.rewards.pool import SandboxPool
+from rlcli.rewards.pool import RewardWorkerPool
 
 if TYPE_CHECKING:
     import torch
@@ -30,6 +30,9 @@ class RewardOutput:
     """[N] float32 in {0, 1}, math-verify correctness, computed even when math_verify has no weight."""
     parts: dict[str, torch.Tensor]
     """Reward function name -> [N] float32 raw values (math_verify raw = acc, before the ±1 mapping)."""
+    flagged: torch.Tensor
+    """[N] float32 in {0, 1}: a reward function scored the response its maximum while an independent check failed
+    (the reward audit, rlcli.rewards.code.AUDIT); 0 where none checks."""
     metrics: dict[str, float]
     """reward/<part> (mean raw value), reward/timeouts, reward/errors, reward/restarts (this call)."""
 
@@ -48,7 +51,7 @@ class RewardManager:
         validate(cfg)
         self.cfg, self.scorers = cfg, dict(scorers or {})
         self.weights = {name: float(w) for name, w in cfg.weights.items()}
-        self.functions = {name: w for name, w in self.weights.items() if name not in MODEL_PARTS}  # the sandbox's
+        self.functions = {name: w for name, w in self.weights.items() if name not in MODEL_PARTS}  # the workers' parts
         self.count_names = COUNTS if "code" in self.functions else ()  # what reward functions count (reward/<name>)
         spec = {
             "parts": list(self.functions),
@@ -56,7 +59,7 @@ class RewardManager:
             "options": cfg.function_options(),
             "max_response_chars": cfg.max_response_chars,
         }
-        self.pool = SandboxPool(
+        self.pool = RewardWorkerPool(
             "rlcli.rewards.functions.score_item",
             setup="rlcli.rewards.functions.setup_worker",
             setup_args=(spec,),
@@ -90,9 +93,10 @@ class RewardManager:
         raw = {name: [0.0] * n for name in self.functions}
         timeouts = errors = 0
         counts = dict.fromkeys(self.count_names, 0.0)
+        flagged = [0.0] * n
         for i, r in enumerate(results):
             if r.status == "ok":
-                acc[i] = r.value["acc"]
+                acc[i], flagged[i] = r.value["acc"], r.value["flagged"]
                 for k, v in r.value["counts"].items():
                     counts[k] = counts.get(k, 0.0) + v
                 for name in raw:
@@ -118,17 +122,21 @@ class RewardManager:
         metrics["reward/errors"] = float(errors)
         metrics["reward/restarts"] = float(self.pool.restarts - restarts)
         metrics |= {f"reward/{k}": v for k, v in counts.items()}
-        return RewardOutput(score=score, acc=acc_t, parts=parts, metrics=metrics)
+        return RewardOutput(score=score, acc=acc_t, parts=parts, metrics=metrics,
+                            flagged=torch.tensor(flagged, dtype=torch.float32))  # [N]
 
     def reward_batch(self, b: Any) -> tuple[Any, dict[str, float]]:
         """Stage 2 of the loop on a RolloutBatch `b`: -> (`b` with its task reward `scores` [N], correctness
-        `acc` [N] and each part's raw value `extras["reward/<name>"]` [N]; the verifier's
+        `acc` [N], each part's raw value `extras["reward/<name>"]` [N] and the reward audit's flag
+        `extras["reward/audit_flagged"]` [N] (any part's: rlcli.rewards.code.AUDIT); the verifier's
         timeout/error/restart counts and the model parts' counts (reward/judge_errors, ...), which add up over
         generation batches and ranks). A model part adds weight x its value (rm: the score normalised over this
         batch, reward.rm.normalize, .clip; judge: the verdict); its raw value is the part. A multi-turn row's
         environment reward (`extras["env/reward"]`, rlcli.envs) adds to its score."""
+        import torch
+
         out = self(b.texts, b.answers)
-        parts, score = dict(out.parts), out.score
+        parts, score, flagged = dict(out.parts), out.score, out.flagged
         counts = {f"reward/{k}": out.metrics[f"reward/{k}"] for k in ("timeouts", "errors", "restarts")}
         counts |= {f"reward/{k}": out.metrics[f"reward/{k}"] for k in self.count_names}
         more: dict[str, Any] = {}
@@ -139,9 +147,11 @@ class RewardManager:
             scored = self.scorers[part](b)
             parts[part] = scored.raw  # [N]
             score = score + self.weights[part] * scored.value
-            more.update(scored.extras)
+            own = dict(scored.extras)
+            flagged = torch.maximum(flagged, own.pop(AUDIT, torch.zeros_like(flagged)))  # [N]
+            more.update(own)
             counts.update({f"reward/{k}": v for k, v in scored.counts.items()})
-        extras = {**b.extras, **{f"reward/{k}": v for k, v in {**parts, **more}.items()}}
+        extras = {**b.extras, **{f"reward/{k}": v for k, v in {**parts, **more, AUDIT: flagged}.items()}}
         scores = score + b.extras["env/reward"] if "env/reward" in b.extras else score.clone()
         return b.replace(scores=scores, acc=out.acc, extras=extras), counts
 
@@ -152,7 +162,7 @@ class RewardManager:
             log.warning("reward: %s (further failures of this kind are only counted)", message[:300])
 
     def close(self) -> None:
-        """Stop the sandbox workers (also done at interpreter exit) and let the model parts go."""
+        """Stop the reward workers (also done at interpreter exit) and let the model parts go."""
         self.pool.close()
         for scorer in self.scorers.values():
             scorer.close()

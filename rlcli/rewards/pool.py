@@ -3,7 +3,7 @@
 It isolates nothing: a worker is an ordinary process of the trainer's user, with its files, network and
 environment. What the pool adds is a clock, a memory cap and a restart per item. Code the policy wrote
 runs only in the code sandbox (rlcli/rewards/sandbox/, started per execution by rlcli/rewards/code.py from
-inside a worker). The class keeps its historical name, SandboxPool.
+inside a worker). Hence its name, RewardWorkerPool: the reward's workers (the tools' too), not a sandbox.
 
 Why processes:
 - math-verify's own timeouts use ``signal.alarm``, which only works on a main thread, and model output
@@ -84,9 +84,9 @@ class _Worker:
     waitables: list[Any] = field(default_factory=list)
 
 
-class SandboxPool:
+class RewardWorkerPool:
     """Long-lived worker processes that run ``task(item)`` with per-item timeouts and a memory cap (a worker pool:
-    no isolation, see the module docstring; the name is historical).
+    no isolation, see the module docstring).
 
     ``task`` and ``setup`` are dotted paths (``"pkg.module.fn"``) imported in the worker;
     ``setup(*setup_args)`` runs once per worker, before any item. Workers start in the constructor
@@ -134,7 +134,7 @@ class SandboxPool:
         """Run the task on every item, spread over the workers; results in item order."""
         with self._lock:
             if self._closed:
-                raise RuntimeError("SandboxPool is closed")
+                raise RuntimeError("RewardWorkerPool is closed")
             results: list[TaskResult | None] = [None] * len(items)
             todo = deque(range(len(items)))
             self._died_on = set()  # items whose worker died once already (this call)
@@ -157,7 +157,7 @@ class SandboxPool:
         self._closed = True
         self._finalizer()
 
-    def __enter__(self) -> SandboxPool:
+    def __enter__(self) -> RewardWorkerPool:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -255,7 +255,7 @@ class SandboxPool:
                 self._replace(w)
             elif not w.ready and now >= w.start_deadline:
                 self.close()
-                raise RuntimeError(f"a sandbox worker did not start within {self.startup_timeout_s:.0f} s")
+                raise RuntimeError(f"a worker process did not start within {self.startup_timeout_s:.0f} s")
 
     def _on_message(self, w: _Worker, msg: tuple[str, Any], results: list[Any]) -> None:
         kind, payload = msg
@@ -264,7 +264,7 @@ class SandboxPool:
             self._startup_deaths = 0
         elif kind == "init_error":
             self.close()
-            raise RuntimeError(f"sandbox worker failed to start: {payload}")
+            raise RuntimeError(f"a worker process failed to start: {payload}")
         elif w.tasks:
             i = w.tasks.popleft()
             if kind == "ok":
@@ -282,7 +282,7 @@ class SandboxPool:
             if self._startup_deaths >= _MAX_STARTUP_DEATHS:
                 self.close()
                 raise RuntimeError(
-                    f"{self._startup_deaths} sandbox workers in a row died during start-up (last: {why})"
+                    f"{self._startup_deaths} worker processes in a row died during start-up (last: {why})"
                 )
         if w.tasks:
             i = w.tasks.popleft()

@@ -1,5 +1,5 @@
 """Parts of the task reward that a model scores (rlcli.rewards.config.MODEL_PARTS): they read the prompt as well as the
-response, so they run in the process that holds the batch, not in a sandbox worker. One interface:
+response, so they run in the process that holds the batch, not in a reward worker. One interface:
 
     scorer = SCORERS[part](cfg, policy_tokenizer)   # loaded once per process that makes batches
     out = scorer(rollout_batch)                     # -> Scored
