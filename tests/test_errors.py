@@ -27,7 +27,8 @@ def assert_one_line(out, needle):
     (["train", "rollout.prompts_per_step=-4"], "rollout.prompts_per_step=-4 must be >= 1"),
     (["train", "steps=-1"], "steps=-1 must be >= 1"),
     (["train", "rollout.n=0"], "rollout.n=0 must be >= 1"),
-    (["train", "algo.clip_hihg=0.3"], "did you mean algo.clip_high?"),  # Hydra's compose error
+    (["train", "algo.clip_hihg=0.3"], "error: algo.clip_hihg is not a config key; did you mean algo.clip_high?"),  # no
+    # OmegaConf internals (AlgoConfig, full_key) from Hydra's compose error
     (["train", "+algo.clip_hihg=0.3"], "algo.clip_hihg is not a config key (added with +algo.clip_hihg=...?): did "
                                        "you mean algo.clip_high?"),  # `+` gets past Hydra's struct mode
     (["train", "+foo=1"], "foo is not a config key"),

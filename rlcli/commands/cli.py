@@ -299,7 +299,8 @@ def user_message(e: BaseException) -> str | None:
             from rlcli.schema_doc import knobs
 
             close = difflib.get_close_matches(typo.group(1), [k for k, *_ in knobs(Config)], n=1)
-            lines += [f"did you mean {close[0]}?"] if close else []
+            # Hydra's text names OmegaConf's internals (the schema's class, full_key): one sentence says it all
+            lines = [f"{typo.group(1)} is not a config key", *([f"did you mean {close[0]}?"] if close else [])]
         return "; ".join(dict.fromkeys(lines)) + " (`rlcli explain <group>` lists the keys, `rlcli train --help` the options)"
     return None
 
