@@ -90,6 +90,17 @@ def explain(group: str | None, conf_dir: Path) -> str:
     return "\n".join(f"{k:<{width}}  {d}  [{t} = {v!r}]" for k, t, v, d in rows)
 
 
+def explain_command(group: str | None, conf_dir: Path) -> str:
+    """`rlcli explain [group]`: what the defaults shown are, the group's presets, then `explain`."""
+    top = (group or "").split(".")[0]
+    presets = group_options(conf_dir).get(top)
+    lines = ["key  meaning  [type = the schema's default]: a preset sets its own values, which the run's config shows "
+             "(rlcli train <overrides> --cfg job)"]
+    if presets:
+        lines.append(f"{top} presets (conf/{top}/): {', '.join(presets)}")
+    return "\n".join([*lines, "", explain(group, conf_dir)])
+
+
 def help_text(command: str, what: str, conf_dir: Path) -> str:
     lines = [f"rlcli {command}: {what}", "", "usage: rlcli " + command + " [group=option ...] [key=value ...]",
              "", "options:",

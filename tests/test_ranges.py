@@ -206,6 +206,17 @@ def test_explain_shows_the_ranges():
     assert "Valid: one of: hf, vllm." in text
 
 
+def test_explain_says_its_defaults_are_the_schemas_and_names_the_presets(capsys):
+    """`rlcli explain algo` shows the schema's defaults (kl_coef 0.0), which the presets change (grpo: 0.04): its
+    first lines say so, name the group's presets and how to see a run's own values."""
+    from rlcli.commands.cli import main
+
+    main(["explain", "algo"])
+    first, presets, *_ = capsys.readouterr().out.splitlines()
+    assert "a preset sets its own values" in first and "--cfg job" in first
+    assert presets.startswith("algo presets (conf/algo/): ") and {"grpo", "dapo", "ppo"} <= set(presets.split(": ")[1].split(", "))
+
+
 # Written by hand from each knob's meaning, not read from the schema: a bound loosened or dropped in the schema
 # (rollout.top_p without its upper bound) leaves a value here accepted, and the test below fails. The derived
 # tests above cannot see that: they build their values from the bounds under test.

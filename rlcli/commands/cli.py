@@ -327,9 +327,9 @@ def _main(argv: list[str]) -> None:
     command, rest = argv[0], argv[1:]
     if command == "explain":
         from rlcli.config import CONF_DIR
-        from rlcli.schema_doc import explain
+        from rlcli.schema_doc import explain_command
 
-        print(explain(rest[0] if rest else None, CONF_DIR))
+        print(explain_command(rest[0] if rest else None, CONF_DIR))
         return
     if command == "plan":  # composes without a run directory: nothing is written
         from rlcli.plan import report
