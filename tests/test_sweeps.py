@@ -189,7 +189,7 @@ def test_a_crash_in_one_job_of_a_basic_sweep_leaves_the_others_running(tmp_path)
     assert "Traceback" in proc.stderr and "rlcli: trial 1_seed=2 failed: ZeroDivisionError: division by zero" in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == "rlcli: error: trial 1_seed=2 failed: ZeroDivisionError: division by zero"
     assert (out / "0_seed=1" / "result.json").exists() and not (out / "1_seed=2" / "result.json").exists()
-    assert "best trial: seed=1 -> " in proc.stdout and "1 of 2 trials failed" in proc.stdout
+    assert "over 1 seed: " in proc.stdout and "best trial" not in proc.stdout and "1 of 2 trials failed" in proc.stdout
 
 
 @pytest.mark.slow
@@ -214,7 +214,7 @@ def test_a_submitit_local_sweep_runs_two_jobs_as_separate_processes(tmp_path):
     # submitit's local executor runs each job as its own process; its job id is that process's pid
     pids = {int(p.name) for p in (out / ".submitit").iterdir() if p.name.isdigit()}
     assert len(pids) == 2, sorted(p.name for p in (out / ".submitit").iterdir())
-    assert "best trial: seed=" in proc.stdout
+    assert "over 2 seeds: " in proc.stdout and "mean ± std)" in proc.stdout  # seeds are not a search: no best trial
 
 
 @pytest.mark.slow
@@ -244,3 +244,24 @@ def test_rlcli_ladder_runs_through_the_submitit_launcher(tmp_path):
     rows = (out / "results.csv").read_text().splitlines()
     assert len(rows) == 3, rows  # a header and both rungs, each finished
     assert time.perf_counter() - t0 < 600
+
+
+def test_a_sweep_of_seeds_reports_their_spread_and_a_search_its_best_trial(tmp_path):
+    """Seeds measure one configuration's spread, so a sweep over seeds alone ends with the objective's mean ± std, not a
+    'best trial'; a sweep over a knob (and seeds) names its best trial."""
+    import json
+
+    from rlcli.core.sweep import TRIAL_FILE, summary
+
+    def write(root, trials):
+        for i, (overrides, value) in enumerate(trials):
+            d = root / f"{i}_{','.join(overrides)}"
+            d.mkdir(parents=True)
+            (d / TRIAL_FILE).write_text(json.dumps({"objective": "eval/acc", "direction": "maximize", "value": value,
+                                                    "overrides": overrides}))
+        return summary(root)
+
+    seeds = write(tmp_path / "a", [([f"seed={s}"], v) for s, v in ((1, 0.6), (2, 0.7), (3, 0.8))])
+    assert "over 3 seeds: 0.7 ± 0.1 (eval/acc, mean ± std)" in seeds and "best trial" not in seeds
+    search = write(tmp_path / "b", [(["optim.lr=1e-3", "seed=1"], 0.6), (["optim.lr=1e-4", "seed=1"], 0.7)])
+    assert "best trial: optim.lr=1e-4 -> 0.7" in search and "mean ± std" not in search

@@ -210,7 +210,8 @@ def _keys(t: dict[str, Any]) -> set[str]:
 
 
 def summary(sweep_dir: str | Path) -> str:
-    """The table of trials and the `best trial: <overrides> -> <value>` line."""
+    """The table of trials and the `best trial: <overrides> -> <value>` line; for a sweep of seeds alone, the
+    objective's mean ± std over them instead."""
     found = trials(sweep_dir)
     if not found:
         return f"sweep {sweep_dir}: no trial recorded a {TRIAL_FILE}"
@@ -222,7 +223,14 @@ def summary(sweep_dir: str | Path) -> str:
         lines.append(f"  #{t['num']:<3} {s:<{width}}  {result}")
     top = best(found)
     failures = sum("value" not in t for t in found)
-    if top is None:
+    values = [t["value"] for t in found if "value" in t]
+    if top is not None and {o.partition("=")[0] for o in sum(swept(found), [])} == {"seed"}:
+        # only the seed varies: no trial is better than another, together they measure one configuration's spread
+        mean = sum(values) / len(values)
+        sd = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5 if len(values) > 1 else 0.0
+        lines.append(f"over {len(values)} seed{'s' * (len(values) != 1)}: {mean:.4g} ± {sd:.2g} "
+                     f"({top['objective']}, mean ± std)")
+    elif top is None:
         lines.append("best trial: none: every trial failed")
     else:
         lines.append(f"best trial: {','.join(swept(found)[found.index(top)]) or top['dir']} -> {top['value']:.4g} "
