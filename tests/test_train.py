@@ -451,5 +451,5 @@ def test_a_run_without_any_advantage_warns_and_names_a_small_held_out_set(make_t
     out = capsys.readouterr().out
     assert out.count("warning: 3 steps in a row with every advantage 0 (adv/std=0)") == 1, out[-3000:]
     assert "no reply was right" in out and "larger rollout.n" in out
-    assert f"warning: {NO_SIGNAL_STEPS + 1} of the {NO_SIGNAL_STEPS + 1} steps had every advantage 0" in out
+    assert f"warning: {NO_SIGNAL_STEPS + 1} of the run's {NO_SIGNAL_STEPS + 1} steps had every advantage 0" in out
     assert "held-out accuracy will rest on 4 prompts (one prompt moves it 25 points)" in out

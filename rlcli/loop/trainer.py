@@ -312,8 +312,8 @@ class Trainer:
             lines.append("  save=false: no policy and no checkpoint written")
         lines += [f"  {note}" for note in self.logger.notes]
         if self.state.no_signal_steps:
-            lines.append(f"warning: {self.state.no_signal_steps} of the {steps} steps had every advantage 0 (every "
-                         "group's rewards equal): nothing was learned from them")
+            lines.append(f"warning: {self.state.no_signal_steps} of the run's {self.state.step} steps had every "
+                         "advantage 0 (every group's rewards equal): nothing was learned from them")
         lines.append("next:")
         if policy:
             lines.append(f"  {eval_command(run, policy)}")
