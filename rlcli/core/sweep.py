@@ -226,9 +226,10 @@ def summary(sweep_dir: str | Path) -> str:
     values = [t["value"] for t in found if "value" in t]
     if top is not None and {o.partition("=")[0] for o in sum(swept(found), [])} == {"seed"}:
         # only the seed varies: no trial is better than another, together they measure one configuration's spread
-        mean = sum(values) / len(values)
-        sd = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5 if len(values) > 1 else 0.0
-        lines.append(f"over {len(values)} seed{'s' * (len(values) != 1)}: {mean:.4g} ± {sd:.2g} "
+        import statistics
+
+        sd = statistics.stdev(values) if len(values) > 1 else 0.0
+        lines.append(f"over {len(values)} seed{'s' * (len(values) != 1)}: {statistics.mean(values):.4g} ± {sd:.2g} "
                      f"({top['objective']}, mean ± std)")
     elif top is None:
         lines.append("best trial: none: every trial failed")
