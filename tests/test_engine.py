@@ -242,12 +242,14 @@ def test_gpu_smoke_runs_its_whole_path_at_toy_scale_and_refuses_a_machine_withou
     import sys
 
     out = subprocess.run([sys.executable, "-m", "rlcli.commands.gpu_smoke", "--tiny", "--only", "hf, ZeRO-0, rollout",
-                          "--only", "hf, ZeRO-0, reward", "--only", "vllm, ZeRO-0, sleep", "--only", "curve", "--steps", "1", "--curve-steps", "2",
+                          "--only", "hf, ZeRO-0, reward", "--only", "hf, ZeRO-0, teacher", "--only", "vllm, ZeRO-0, sleep", "--only", "curve", "--steps", "1", "--curve-steps", "2",
                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "RLCLI_CACHE": str(tmp_path / "cache")})  # nothing from the user's cache
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads((tmp_path / "gpu_results.json").read_text())
-    assert list(res["speed"]) == ["hf, ZeRO-0, rollout correction", "hf, ZeRO-0, reward model", "vllm, ZeRO-0, sleep mode"]
+    assert list(res["speed"]) == ["hf, ZeRO-0, rollout correction", "hf, ZeRO-0, reward model", "hf, ZeRO-0, teacher",
+                                  "vllm, ZeRO-0, sleep mode"]
+    assert res["speed"]["hf, ZeRO-0, teacher"]["score_passes"] == 1  # the teacher's pass, nothing else to score
     assert res["speed"]["hf, ZeRO-0, reward model"]["timing_s/reward"] > 0  # the reward model scored every step
     r = res["speed"]["hf, ZeRO-0, rollout correction"]
     assert r["ranks"] == 1 and r["trajectories"] == 4 and r["tokens_per_step"] == 4 * (r["prompt_length/mean"] + r["response_length/mean"])
@@ -260,6 +262,8 @@ def test_gpu_smoke_runs_its_whole_path_at_toy_scale_and_refuses_a_machine_withou
     c = res["curve"]
     assert [s for s, _ in c["eval"]] == [0, 1, 2] and all(0 <= a <= 1 for _, a in c["eval"])
     assert len(c["train_acc"]) == 2 and c["median_step_s"] > 0
+    assert c["prompts"].startswith("prompts ") and "each group's prompt once" in c["prompts"]  # the summary's line
+    assert "held-out" in (tmp_path / "curve_log.txt").read_text()
     assert (tmp_path / "curve.png").stat().st_size > 10_000 and (tmp_path / "curve_metrics.jsonl").exists()
     md = (tmp_path / "gpu_results.md").read_text()
     assert "\n| hf, ZeRO-0, rollout correction | " in md and "- vllm, ZeRO-0, sleep mode: failed: " in md
@@ -328,7 +332,8 @@ def test_every_gpu_smoke_configuration_is_a_valid_config(tmp_path):
     build_reward_model(TINY_SHAPE, "bfloat16", str(tmp_path / "rm"), TOKENIZER_DIR)
     base = ["model=hf", f"model.path={tmp_path / 'model'}", f"model.tokenizer_path={TOKENIZER_DIR}", *GPU]
     for name, overrides in SPEED.items():
-        cfg = compose(*base, *(o.replace("{rm}", str(tmp_path / "rm")) for o in overrides))
+        cfg = compose(*base, *(o.replace("{rm}", str(tmp_path / "rm")).replace("{model}", str(tmp_path / "model"))
+                               for o in overrides))
         validate(cfg)
         assert (cfg.hw.device, cfg.hw.precision, cfg.rollout.engine) == ("cuda", "bf16", name.split(",")[0]), name
     for engine in ("hf", "vllm"):

@@ -30,6 +30,7 @@ import datetime
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -53,6 +54,8 @@ SPEED = {  # name -> overrides on top of the shape's
     "hf, ZeRO-0, rollout correction": ["rollout.engine=hf", "algo.rollout_correction=token"],
     # a reward model of the policy's shape scored on the device beside the verifier ({rm}: its folder, built here)
     "hf, ZeRO-0, reward model": ["rollout.engine=hf", "reward=[math_verify,rm]", "reward.rm.path={rm}"],
+    # on-policy distillation: a frozen teacher of the policy's shape ({model}: the same weights) scores every token
+    "hf, ZeRO-0, teacher": ["rollout.engine=hf", "algo=distill", "distill.teacher={model}"],
     "vllm, ZeRO-0": ["rollout.engine=vllm"],
     "vllm, ZeRO-0, sleep mode": ["rollout.engine=vllm", "rollout.sleep_mode=true"],
     "vllm, ZeRO-3": ["rollout.engine=vllm", "hw.zero_stage=3"],
@@ -122,8 +125,9 @@ def measure(steps: int, overrides: list[str]) -> dict[str, float]:
     with DevicePeak() as device:
         out = train_steps(overrides, steps)
     out["device_peak_gib"] = device.peak
-    if device.cuda:
-        out["torch_peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB  # the training process's own
+    if device.cuda:  # the training process's own: what its tensors held at most, and what torch's allocator kept
+        out["torch_peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
+        out["torch_peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
     return out
 
 
@@ -149,16 +153,22 @@ def build_reward_model(shape: dict[str, Any], dtype: str, path: str, tokenizer_d
     tokenizer.save_pretrained(path)
 
 
-def child(argv: list[str], timeout: int) -> str:
-    """Run `python argv...` in its own process group -> "" or the error's last lines. On timeout the whole group is
-    killed: a vLLM engine core or reward workers left behind would hold memory the next configuration measures."""
+def child(argv: list[str], timeout: int, log: Path | None = None) -> str:
+    """Run `python argv...` in its own process group -> "" or the error's last lines; its whole output in `log` if
+    given. On timeout the whole group is killed: a vLLM engine core or reward workers left behind would hold memory
+    the next configuration measures."""
     proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+        stdout, stderr = proc.communicate()
+        stderr += f"\ntimed out after {timeout} s"
+        proc.returncode = proc.returncode or 1
+    if log is not None:
+        log.write_text(stdout + stderr)
+    if proc.returncode and stderr.endswith(f"timed out after {timeout} s"):
         return f"timed out after {timeout} s"
     return (stdout[-1500:] + stderr[-3000:]).strip() if proc.returncode else ""
 
@@ -173,7 +183,8 @@ def speed(argv: list[str], result: Path, timeout: int) -> dict[str, Any]:
 def curve(overrides: list[str], run_dir: Path, out_dir: Path, timeout: int) -> dict[str, Any]:
     """`rlcli train` with held-out evaluations; -> its eval points, step time and training accuracy, with the
     metrics file and a plot copied to `out_dir` (or the error: the run's own, or the summary's)."""
-    error = child(["-m", "rlcli.commands.cli", "train", *overrides, f"hydra.run.dir={run_dir}"], timeout)
+    log = out_dir / "curve_log.txt"
+    error = child(["-m", "rlcli.commands.cli", "train", *overrides, f"hydra.run.dir={run_dir}"], timeout, log)
     if error:
         return {"overrides": overrides, "error": error}
     try:
@@ -183,7 +194,8 @@ def curve(overrides: list[str], run_dir: Path, out_dir: Path, timeout: int) -> d
         shutil.copy(run_dir / "metrics.jsonl", out_dir / "curve_metrics.jsonl")
         rows = read_jsonl(str(run_dir / "metrics.jsonl"))
         train = [r for r in rows if "timing_s/step" in r]
-        out = {"overrides": overrides, "train_acc": [(r["step"], r["acc/mean"]) for r in train],
+        shared = [line.strip() for line in log.read_text().splitlines() if re.match(r"\s*prompts {2,}", line)]
+        out = {"overrides": overrides, "prompts": shared[0] if shared else "?", "train_acc": [(r["step"], r["acc/mean"]) for r in train],
                "eval": [(r["step"], r[k]) for r in rows for k in ("eval/acc_before", "eval/acc", "eval/acc_after")
                         if k in r],
                "median_step_s": statistics.median(r["timing_s/step"] for r in train),
@@ -205,7 +217,10 @@ SPEED_COLUMNS = [  # header, formatter of one configuration's numbers
     ("weight push s", lambda r: f"{r['timing_s/sync']:.2f}"),
     ("setup s", lambda r: f"{r['setup_s']:.1f}"),
     ("peak GiB (device)", lambda r: f"{r['device_peak_gib']:.1f}"),
+    ("torch allocated / reserved GiB", lambda r: f"{r['torch_peak_allocated_gib']:.1f} / {r['torch_peak_reserved_gib']:.1f}"
+     if "torch_peak_allocated_gib" in r else "-"),
     ("plan GiB", lambda r: f"{r['plan_gib']:.1f}"),
+    ("prompt shared", lambda r: "yes" if r["shared"] else "no"),
     ("logp gap mean / max", lambda r: f"{r['rollout_corr/logp_diff_mean']:.2g} / {r['rollout_corr/logp_diff_max']:.2g}"
      if "rollout_corr/kl" in r else "-"),
     ("KL(sampler‖trainer)", lambda r: f"{r['rollout_corr/kl']:.2g}" if "rollout_corr/kl" in r else "-"),
@@ -231,7 +246,7 @@ def markdown(res: dict[str, Any]) -> str:
         if "error" in c or "skipped" in c:
             lines.append(c.get("skipped") or "failed: " + _last_line(c["error"]))
         else:
-            lines += [f"median step {c['median_step_s']:.2f} s, {c['seconds']:.0f} s of steps in all", "",
+            lines += [f"median step {c['median_step_s']:.2f} s, {c['seconds']:.0f} s of steps in all; {c['prompts']}", "",
                       "| step | held-out acc |", "|---:|---:|", *(f"| {s} | {a:.3f} |" for s, a in c["eval"])]
     return "\n".join(lines) + "\n"
 
@@ -290,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
             if "vllm" in SPEED[name][0] and not has["vllm"]:
                 res["speed"][name] = {"skipped": "skipped: vllm is not importable here"}
             else:
-                overrides = [o.replace("{rm}", rm_dir) for o in SPEED[name]]
+                overrides = [o.replace("{rm}", rm_dir).replace("{model}", model_dir) for o in SPEED[name]]
                 res["speed"][name] = speed([str(args.steps), *base, *overrides], Path(tmp) / "result.json", args.timeout)
             save()
         if CURVE in wanted:
