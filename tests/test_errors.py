@@ -53,6 +53,21 @@ def test_a_user_error_is_one_line_with_exit_status_2(tmp_path, argv, needle):
     assert_one_line(out, needle)
 
 
+def test_a_refused_run_leaves_no_run_folder_and_keeps_an_earlier_runs(tmp_path):
+    """A run refused by a value check takes back the folder Hydra made for it (its .hydra/ and cli.log), for
+    `rlcli train` and `rlcli eval`; a folder that holds anything else (an earlier run's metrics) stays whole."""
+    for command in ("train", "eval"):
+        out = rlcli(tmp_path, command, "rollout.n=0" if command == "train" else "eval.k=0",
+                    f"hydra.run.dir={tmp_path}/{command}")
+        assert_one_line(out, "must be >= 1")
+        assert not (tmp_path / command).exists()
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    (earlier / "metrics.jsonl").write_text("{}\n")
+    assert_one_line(rlcli(tmp_path, "train", "rollout.n=0", f"hydra.run.dir={earlier}"), "must be >= 1")
+    assert sorted(p.name for p in earlier.iterdir()) == [".hydra", "cli.log", "metrics.jsonl"]
+
+
 @pytest.mark.parametrize("how", [["--debug"], {"HYDRA_FULL_ERROR": "1"}])
 def test_debug_shows_the_traceback(tmp_path, how):
     flags, env = (how, None) if isinstance(how, list) else ([], how)

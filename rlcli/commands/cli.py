@@ -7,8 +7,11 @@ validates it, writes run_dir/config.yaml, then trains in-process (hw.nproc == 1)
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +78,24 @@ def tiny_reads(cfg: Any) -> tuple[Any, str] | tuple[()]:
             "'Q: a+b=?\\nA:'")
 
 
+HYDRA_LEFTOVERS = {".hydra", "cli.log"}
+"""What Hydra writes into a run directory before the job starts: the composed config and the job's log."""
+
+
+@contextlib.contextmanager
+def refused_leaves_nothing(out_dir: str) -> Iterator[None]:
+    """A run refused here (a config error, a value check, unreadable data: raised before any compute) takes back
+    the run directory Hydra made for it, when it holds nothing but HYDRA_LEFTOVERS: no empty run folders. A folder
+    with anything else in it (an earlier run's checkpoints or metrics) is left as it is."""
+    try:
+        yield
+    except (SystemExit, Exception):
+        out = Path(out_dir)
+        if out.is_dir() and {p.name for p in out.iterdir()} <= HYDRA_LEFTOVERS:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
 def train_job(cfg: Any) -> dict[str, Any] | None:
     """One Hydra job: validate, check the inputs, resolve `resume` (and check the checkpoint's config against this
     one), plan the memory, freeze, then train here or launch workers."""
@@ -85,20 +106,20 @@ def train_job(cfg: Any) -> dict[str, Any] | None:
     from rlcli.loop.metrics import RunLog
     from rlcli.plan.report import check_fits, fits_line
 
-    run_dir(cfg)
-    validate(cfg)
-    check_inputs(cfg, ("train", "eval"))
-    resume = checkpoint.resolve(cfg.resume, cfg.run_dir)  # before the memory plan, which tokenises every prompt
-    if resume is not None:
-        checkpoint.check_compatible(resume, cfg)
-        checkpoint.adopt(resume, cfg.run_dir)  # e.g. the judge's cached replies, into a branch's new run directory
-    elif cfg.resume is None and checkpoint.latest(cfg.run_dir) is not None:
-        raise SystemExit(f"{cfg.run_dir} holds checkpoints of an earlier run: pass resume=auto to continue it, "
-                         "or choose another hydra.run.dir for a new run")
-    elif cfg.resume == "auto":
-        RunLog(cfg.run_dir)(f"resume=auto: no checkpoint in {checkpoint.root(cfg.run_dir)} yet, starting fresh")
-    checkpoint.check_space(cfg)  # room for one checkpoint, before anything is loaded
-    plan = check_fits(cfg)  # the memory plan (`rlcli plan`) on the data's real lengths, before any weights load
+    with refused_leaves_nothing(run_dir(cfg)):
+        validate(cfg)
+        check_inputs(cfg, ("train", "eval"))
+        resume = checkpoint.resolve(cfg.resume, cfg.run_dir)  # before the memory plan, which tokenises every prompt
+        if resume is not None:
+            checkpoint.check_compatible(resume, cfg)
+            checkpoint.adopt(resume, cfg.run_dir)  # e.g. the judge's cached replies, into a branch's new run directory
+        elif cfg.resume is None and checkpoint.latest(cfg.run_dir) is not None:
+            raise SystemExit(f"{cfg.run_dir} holds checkpoints of an earlier run: pass resume=auto to continue it, "
+                             "or choose another hydra.run.dir for a new run")
+        elif cfg.resume == "auto":
+            RunLog(cfg.run_dir)(f"resume=auto: no checkpoint in {checkpoint.root(cfg.run_dir)} yet, starting fresh")
+        checkpoint.check_space(cfg)  # room for one checkpoint, before anything is loaded
+        plan = check_fits(cfg)  # the memory plan (`rlcli plan`) on the data's real lengths, before any weights load
     if plan is not None:
         RunLog(cfg.run_dir)(fits_line(plan))  # the terminal and cli.log, like everything the run prints
     with open_dict(cfg):
@@ -138,9 +159,9 @@ def sft_job(cfg: Any) -> None:
 def eval_job(cfg: Any) -> dict[str, float]:
     from rlcli.config import validate
 
-    run_dir(cfg)
-    validate(cfg)
-    check_inputs(cfg, ("eval",))
+    with refused_leaves_nothing(run_dir(cfg)):
+        validate(cfg)
+        check_inputs(cfg, ("eval",))
     from rlcli.loop.eval import run_eval  # torch: after the checks, which answer in a second
 
     return run_eval(cfg)
