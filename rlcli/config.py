@@ -790,6 +790,15 @@ def validate_switches(cfg: Any) -> None:
         raise ConfigError(f"rollout.gen_prompts_per_step={r.gen_prompts_per_step} sizes dynamic sampling's generation "
                           "batches, but algo.dynamic_sampling=false: set algo.dynamic_sampling=true (algo=dapo), or "
                           "rollout.gen_prompts_per_step=null")
+    if a.adv_estimator == "pkpo" and not 2 <= a.pass_k <= r.n:
+        raise ConfigError(f"algo.adv_estimator=pkpo trains for pass@k over k-subsets of each group: it needs 2 <= "
+                          f"algo.pass_k <= rollout.n, got algo.pass_k={a.pass_k}, rollout.n={r.n}")
+    if a.pass_k != 1 and a.adv_estimator != "pkpo":
+        raise ConfigError(f"algo.pass_k={a.pass_k} is read only by algo.adv_estimator=pkpo (grpo_passk credits the best "
+                          f"response whatever k is): set algo.adv_estimator=pkpo, or algo.pass_k=1")
+    if a.adv_estimator == "grpo_passk" and r.n < 2:
+        raise ConfigError("algo.adv_estimator=grpo_passk credits each group's best response over its second best: "
+                          f"it needs rollout.n >= 2, got {r.n}")
     if not a.group_sampling and a.adv_estimator in GROUP_ESTIMATORS:
         raise ConfigError(
             f"algo.group_sampling=false samples each prompt once, but algo.adv_estimator={a.adv_estimator} "

@@ -62,7 +62,7 @@ def make_inputs(kl_beta: float = 0.0, with_values: bool = True) -> AdvantageInpu
 @pytest.mark.parametrize("kl_beta", [0.0, 0.05])
 def test_every_estimator_is_finite_and_zero_when_masked(name, kl_beta):
     inp = make_inputs(kl_beta)
-    cfg = AlgoConfig(adv_estimator=name, length_adaptive_gae=name == "gae")
+    cfg = AlgoConfig(adv_estimator=name, length_adaptive_gae=name == "gae", pass_k=2 if name == "pkpo" else 1)
     validate(cfg)
     adv, ret = compute_advantages(inp, cfg)
     for x in (adv, ret):
@@ -95,6 +95,8 @@ def test_outcome_estimators_broadcast_over_valid_tokens():
         "weighted_baseline": F.weighted_baseline_advantages(
             inp.scores, inp.group_index, inp.lengths.to(D).rsqrt()
         ),
+        "grpo_passk": F.best_of_group_advantages(inp.scores, inp.group_index),
+        "maxrl": F.maxrl_advantages(inp.scores, inp.group_index),
     }
     for name, a in expected.items():
         adv, ret = compute_advantages(inp, AlgoConfig(adv_estimator=name))
@@ -232,6 +234,9 @@ PRESETS = {
     "reinforce_pp_baseline": dict(adv_estimator="reinforce_pp_baseline", loss_agg="token_mean"),
     "ppo": dict(adv_estimator="gae", gamma=1.0, lam_actor=0.95, lam_critic=0.95, loss_agg="token_mean",
                 kl_estimator="k1", kl_in_reward=True, clip_low=0.2, clip_high=0.2),
+    "pkpo": dict(adv_estimator="pkpo", pass_k=4, loss_agg="token_mean", kl_coef=0.0),
+    "grpo_passk": dict(adv_estimator="grpo_passk", loss_agg="token_mean", kl_coef=0.0),
+    "maxrl": dict(adv_estimator="maxrl", loss_agg="token_mean", kl_coef=0.0),
 }  # fmt: skip
 
 

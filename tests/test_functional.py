@@ -72,6 +72,55 @@ def test_rloo_advantages_golden():
     close(a, [2 / 3, -2 / 3, -2 / 3, 2 / 3, 3.0, 0.0, 0.0], tol=1e-12)
 
 
+def test_pkpo_advantages_golden_and_equal_to_the_subset_definition():
+    # G = 4, k = 2, rows 0..3: R = 0, 1, 0.5, 1. C(4,2) = 6 pairs; A_i = Σ_{pairs ∋ i} (max - max of the other) / 6:
+    #   row 0 (0): no pair's max rises -> 0; row 2 (0.5): only with row 0, +0.5 -> 0.5/6
+    #   rows 1, 3 (1): with row 0 +1, with row 2 +0.5, with each other 0 -> 1.5/6 each (ties share)
+    a = F.pkpo_advantages(t([0.0, 1.0, 0.5, 1.0]), torch.tensor([3, 3, 3, 3]), k=2)
+    close(a, [0.0, 0.25, 0.5 / 6, 0.25], tol=1e-12)
+    # binary, G = 8, k = 4, c = 2 correct: a correct row gets C(6,3)/C(8,4) = 20/70, an incorrect one 0
+    b = F.pkpo_advantages(t([0, 1, 0, 0, 0, 1, 0, 0.0]), torch.zeros(8, dtype=torch.long), k=4)
+    close(b, [0, 20 / 70, 0, 0, 0, 20 / 70, 0, 0], tol=1e-12)
+    # k = G: only the best moves, by its margin over the second (C(G, G) = 1)
+    close(F.pkpo_advantages(t([0.3, 0.9, 0.4]), torch.zeros(3, dtype=torch.long), k=3), [0, 0.5, 0], tol=1e-12)
+    # the closed form equals the definition over every k-subset, for continuous rewards with ties, two groups
+    import itertools
+
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randint(0, 5, (13,), generator=g).to(D) / 4  # ties on purpose
+    groups = torch.tensor([0] * 7 + [1] * 6)
+    for k in (2, 3, 5, 6):
+        brute = torch.zeros(13, dtype=D)
+        for rows in (range(7), range(7, 13)):
+            for subset in itertools.combinations(rows, k):
+                for i in subset:
+                    others = max(float(scores[j]) for j in subset if j != i)
+                    brute[i] += max(float(scores[j]) for j in subset) - others
+            brute[list(rows)] /= math.comb(len(rows), k)
+        close(F.pkpo_advantages(scores, groups, k=k), brute, tol=1e-12)
+    close(F.pkpo_advantages(t([1.0, 0.0]), torch.zeros(2, dtype=torch.long), k=3), [0.0, 0.0])  # no 3-subset
+    with pytest.raises(ValueError, match="pass_k >= 2"):
+        F.pkpo_advantages(t([1.0, 0.0]), torch.zeros(2, dtype=torch.long), k=1)
+
+
+def test_best_of_group_advantages_golden_and_others_exactly_zero():
+    # R = 0.2, 1, 0.5, 0: the best (row 1) gets (1 - 0.5) / (std + 1e-6), std unbiased = 0.4349329...
+    a = F.best_of_group_advantages(t([0.2, 1.0, 0.5, 0.0, 1.0, 1.0, 0.0, 7.0]), torch.tensor([0, 0, 0, 0, 1, 1, 1, 2]))
+    close(a, [0.0, 1.1495998546932922, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0], tol=1e-9)  # group 1: two best tie -> 0;
+    # a group of one -> 0; every row but the best is exactly 0 (a copy that kept the others' values was the bug)
+    assert int((a != 0).sum()) == 1
+    close(F.best_of_group_advantages(t([0.2, 1.0, 0.5, 0.0]), torch.zeros(4, dtype=torch.long), std_normalize=False),
+          [0.0, 0.5, 0.0, 0.0], tol=1e-12)
+
+
+def test_maxrl_advantages_golden():
+    # (R - mean)/mean per group: 1,0,0,0 (p = 1/4) -> 3, -1, -1, -1; 1,1,0,0 -> 1, 1, -1, -1;
+    # nothing solved -> 0; all solved -> 0; 0.5, 1 (mean 0.75) -> -1/3, 1/3
+    scores = t([1, 0, 0, 0, 1, 1, 0, 0, 0, 0, 1, 1, 0.5, 1.0])
+    groups = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 3, 3, 4, 4])
+    close(F.maxrl_advantages(scores, groups), [3, -1, -1, -1, 1, 1, -1, -1, 0, 0, 0, 0, -1 / 3, 1 / 3], tol=1e-12)
+
+
 def test_rank_advantages_golden_with_ties():
     # group 0: R = 3,1,3,2 (G=4): ascending ranks 1->1, 2->2, the two 3s share (3+4)/2 = 3.5
     #   A = (rank - 2.5) / 2: 3 -> 0.5, 1 -> -0.75, 2 -> -0.25

@@ -229,7 +229,7 @@ OUT_OF_RANGE = {
     "algo.ppo_epochs": [0, -1], "algo.mini_batches": [0], "algo.kl_coef": [-0.04, INF], "algo.kl_estimator": ["k4"],
     "algo.kl_target": [0, -6], "algo.kl_horizon": [0], "algo.entropy_coef": [-0.01], "algo.nll_coef": [-0.1],
     "algo.overlong_penalty_factor": [-1], "algo.filter_metric": ["reward"], "algo.max_gen_batches": [0],
-    "algo.hierarchical_alpha": [1.5, -0.5], "algo.hybrid_alpha0": [2], "algo.hybrid_kappa": [-1],
+    "algo.hierarchical_alpha": [1.5, -0.5], "algo.pass_k": [0], "algo.hybrid_alpha0": [2], "algo.hybrid_kappa": [-1],
     "algo.baseline_weights": ["sqrt_len"], "algo.rollout_correction": ["tis"], "algo.rollout_correction_upper": [0],
     "algo.rollout_correction_lower": [-1], "algo.off_policy": ["on"], "algo.behav_weight_cap": [0, -2],
     "algo.value_clip": [0, -0.5],

@@ -226,6 +226,28 @@ def hierarchical(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
     return _same(_outcome_to_tokens(inp, a, cfg.gamma))
 
 
+@ADVANTAGES.register("pkpo")
+def pkpo(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
+    """PKPO (arXiv:2505.15201): each response's unbiased credit for pass@k (max@k), k = algo.pass_k."""
+    a = F.pkpo_advantages(inp.scores, inp.group_index, cfg.pass_k)
+    return _same(_outcome_to_tokens(inp, a, cfg.gamma))
+
+
+@ADVANTAGES.register("grpo_passk")
+def grpo_passk(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
+    """Pass@k as verl's GRPO_PASSK (arXiv:2503.19595): the best response's margin over the second, std-normalised;
+    every other response 0."""
+    a = F.best_of_group_advantages(inp.scores, inp.group_index)
+    return _same(_outcome_to_tokens(inp, a, cfg.gamma))
+
+
+@ADVANTAGES.register("maxrl")
+def maxrl(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
+    """MaxRL (arXiv:2602.02710): (R - mean_g) / mean_g, the gradient of log pass rate."""
+    a = F.maxrl_advantages(inp.scores, inp.group_index)
+    return _same(_outcome_to_tokens(inp, a, cfg.gamma))
+
+
 @ADVANTAGES.register("vapo_grpo_hybrid")
 def vapo_grpo_hybrid(inp: AdvantageInputs, cfg: Any) -> tuple[Tensor, Tensor]:
     """rlcli option (not from a paper): α(t)·A_gae + (1-α(t))·A_grpo, α(t) = α_0·exp(-κ t/T).

@@ -37,7 +37,7 @@ class AlgoConfig:
     # --- advantage estimation (docs/algorithms.md, "Advantage estimators") ---------------------
     adv_estimator: str = rng("grpo", choices=ADVANTAGES)
     """ADVANTAGES registry name: grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline | gae |
-    rank | weighted_baseline | hierarchical | vapo_grpo_hybrid."""
+    rank | weighted_baseline | hierarchical | vapo_grpo_hybrid | pkpo | grpo_passk | maxrl | none."""
     gamma: float = rng(1.0, ge=0, le=1)
     """Discount γ over response tokens (GAE and token-level returns; 1.0 for outcome rewards)."""
     lam_actor: float = rng(0.95, ge=0, le=1)
@@ -112,6 +112,10 @@ class AlgoConfig:
     """Dynamic sampling: generation batches allowed per step before failing (or training on fewer)."""
     train_on_partial: bool = False
     """Dynamic sampling: when max_gen_batches runs out, train on the groups kept so far instead of failing."""
+
+    pass_k: int = rng(1, ge=1)
+    """k of the pass@k objective that `adv_estimator=pkpo` trains for (2 <= k <= rollout.n; 1 = pass@1, the
+    other estimators' objective)."""
 
     # --- rlcli estimator options (not from a paper; docs/algorithms.md#rlcli-options) ----------
     hierarchical_alpha: float = rng(0.5, ge=0, le=1)

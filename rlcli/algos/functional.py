@@ -179,6 +179,93 @@ def rloo_advantages(scores: Tensor, group_index: Tensor) -> Tensor:
     return torch.where(constant, torch.zeros_like(adv), adv)
 
 
+def pkpo_advantages(scores: Tensor, group_index: Tensor, k: int) -> Tensor:
+    """PKPO: credit for the pass@k (max@k) objective (Walder & Karkhanis 2025, "Pass@K Policy Optimization",
+    arXiv:2505.15201), with the k-1 leave-one-out baseline, the lowest-variance of the paper's unbiased estimators.
+
+    Shapes: scores [N], group_index [N] -> [N]. For a group of n responses with rewards g, the objective is
+    E[max of k samples]; averaging its score-function gradient over all C(n, k) subsets S of size k, each subset
+    S containing i baselined by the max of its other k-1 members (which does not depend on response i), gives
+        A_i = (1 / C(n, k)) Σ_{S ∋ i, |S| = k} (max_{j∈S} g_j − max_{j∈S∖i} g_j),
+    response i's marginal contribution to the max of the subsets it is in. With the group sorted ascending
+    (ties by row order) and i at position m (1-based), only subsets in which i is the last are counted:
+        A_i = (C(m−1, k−1)·g_(m) − Σ_{j=k−1}^{m−1} C(j−1, k−2)·g_(j)) / C(n, k).
+    Binary rewards with c correct: a correct response gets C(n−c, k−1)/C(n, k), an incorrect one 0 (it never
+    raises a subset's max); k = n: only the best response moves, by its margin over the second best.
+    Needs k >= 2 (algo.pass_k; k = 1 is pass@1, the other estimators' objective). A group of fewer than k responses
+    has no k-subset and gets 0 (none occurs in a run: groups hold rollout.n responses, and validation asks k <= n)."""
+    if k < 2:
+        raise ValueError(f"pkpo needs algo.pass_k >= 2, got {k}")
+    scores = _float(scores)
+    if scores.numel() == 0:
+        return scores.clone()
+    inv, n_groups = _groups(group_index)
+    by_score = torch.argsort(scores, stable=True)
+    order = by_score[torch.argsort(inv[by_score], stable=True)]  # [N] by (group, score, row)
+    g, grp = scores[order].double(), inv[order]  # [N] sorted within each group, ascending
+    count = _group_sum(torch.ones_like(g), grp, n_groups).long()  # [P]
+    first = torch.cumsum(count, 0) - count  # [P] each group's first position in `order`
+    m = torch.arange(len(g)) - first[grp] + 1  # [N] 1-based position within the group
+    comb = [math.comb(i, k - 1) for i in range(len(g) + 1)], [math.comb(i, k - 2) for i in range(len(g) + 1)]
+    top = torch.tensor(comb[0], dtype=torch.float64)[m - 1]  # [N] C(m-1, k-1): subsets in which it is the last
+    below = torch.tensor(comb[1], dtype=torch.float64)[m - 1] * g  # [N] C(m-1, k-2)·g_(m)
+    running = torch.cumsum(below, 0) - below  # [N] Σ over every earlier position, other groups' too
+    before = running - running[first][grp]  # [N] Σ over the earlier positions of its own group
+    n = count[grp]
+    total = torch.tensor([float(math.comb(int(c), k)) for c in count.tolist()], dtype=torch.float64)[grp]  # C(n, k)
+    a = torch.where(n >= k, (top * g - before) / total.clamp_min(1.0), 0.0)
+    out = torch.empty_like(scores)
+    out[order] = a.to(scores.dtype)
+    return out
+
+
+def best_of_group_advantages(scores: Tensor, group_index: Tensor, std_normalize: bool = True,
+                             eps: float = 1e-6) -> Tensor:
+    """Pass@k credit to the best response only (verl's `grpo_passk` estimator, after Tang et al. 2025, "Optimizing
+    Language Models for Inference Time Objectives using Reinforcement Learning", arXiv:2503.19595).
+
+    Shapes: scores [N], group_index [N] -> [N]. In each group, the best response (the first in row order among
+    equal maxima) gets A = (g_max − g_second) / (std_g + eps) (std_g unbiased, as GRPO; without std_normalize,
+    g_max − g_second), and every other response exactly 0 (a copy of the estimator that left the others
+    untouched trained them on stale values). A group of one, or whose two best are equal, gives 0."""
+    scores = _float(scores)
+    if scores.numel() == 0:
+        return scores.clone()
+    inv, n_groups = _groups(group_index)
+    rows = torch.arange(len(scores))
+    empty = torch.zeros(n_groups, dtype=scores.dtype)
+    top = empty.scatter_reduce(0, inv, scores, "amax", include_self=False)  # [P]
+    at_top = torch.where(scores == top[inv], rows, len(scores))
+    best = torch.full((n_groups,), len(scores)).scatter_reduce(0, inv, at_top, "amin")  # [P] first row at the max
+    is_best = rows == best[inv]  # [N]
+    rest = torch.where(is_best, torch.full_like(scores, -math.inf), scores)
+    second = empty.scatter_reduce(0, inv, rest, "amax", include_self=False)  # [P] -inf for a group of one
+    count = _group_sum(torch.ones_like(scores), inv, n_groups)  # [P]
+    margin = torch.where(count > 1, top - second, 0.0)  # [P]
+    if std_normalize:
+        mean = _group_sum(scores, inv, n_groups) / count
+        var = _group_sum((scores - mean[inv]) ** 2, inv, n_groups) / (count - 1).clamp_min(1)
+        margin = margin / (var.sqrt() + eps)
+    return torch.where(is_best, margin[inv], 0.0)
+
+
+def maxrl_advantages(scores: Tensor, group_index: Tensor) -> Tensor:
+    """MaxRL, maximum-likelihood RL (arXiv:2602.02710): the group advantage divided by the group's mean reward,
+    A_i = (R_i − mean_g) / mean_g. For rewards in {0, 1} the mean is the prompt's pass rate p̂, and the update is
+    the gradient of log p(success) (∇p / p) instead of p: hard prompts weigh 1/p̂ more. Rewards are read as
+    success rates (>= 0); a group whose mean is <= 0 (nothing solved), or whose rewards are equal, gives 0.
+
+    Shapes: scores [N], group_index [N] -> [N]."""
+    scores = _float(scores)
+    if scores.numel() == 0:
+        return scores.clone()
+    inv, n_groups = _groups(group_index)
+    count = _group_sum(torch.ones_like(scores), inv, n_groups)
+    mean = (_group_sum(scores, inv, n_groups) / count)[inv]  # [N]
+    adv = torch.where(mean > 0, (scores - mean) / torch.where(mean > 0, mean, torch.ones_like(mean)), 0.0)
+    return torch.where(_group_is_constant(scores, inv, n_groups), torch.zeros_like(adv), adv)
+
+
 def rank_advantages(scores: Tensor, group_index: Tensor) -> Tensor:
     """Rank-based group advantage (rlcli option, not from a paper; off by default).
 

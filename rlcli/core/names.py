@@ -30,12 +30,13 @@ class Names(tuple):
 
 ADVANTAGES = Names("advantage estimator", (
     "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae", "rank", "weighted_baseline",
-    "hierarchical", "vapo_grpo_hybrid", "none",
+    "hierarchical", "vapo_grpo_hybrid", "none", "pkpo", "grpo_passk", "maxrl",
 ))
 NEEDS_VALUES = frozenset({"gae", "vapo_grpo_hybrid"})
 """Estimators that read `values`: the trainer builds a critic exactly when the estimator is here."""
 GROUP_ESTIMATORS = frozenset(
-    {"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "rank", "weighted_baseline", "hierarchical", "vapo_grpo_hybrid"}
+    {"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "rank", "weighted_baseline", "hierarchical", "vapo_grpo_hybrid",
+     "pkpo", "grpo_passk", "maxrl"}
 )
 """Estimators that compare the responses of one prompt: they need rollout.n > 1 responses per prompt."""
 POLICY_LOSSES = Names("policy loss", ("clipped", "gspo", "cispo"))
