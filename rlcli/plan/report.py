@@ -40,7 +40,7 @@ def render(cfg: Any, plan: Plan, with_fixes: bool = True) -> str:
         if plan.blockers:
             verdict = "DOES NOT RUN: " + "; ".join(plan.blockers)
         lines.append(f"  {'device':<18}{plan.device / GIB:>9.2f}   {plan.device_note}: {verdict} "
-                     f"({plan.peak / plan.device:.0%})")
+                     f"(the peak is {plan.peak / plan.device:.0%} of it)")
     if plan.host:
         lines.append(f"  {'host (offload)':<18}{plan.host / GIB:>9.2f}   per rank, in CPU RAM")
     if hw.device != "cpu":
