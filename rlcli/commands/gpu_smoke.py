@@ -159,16 +159,16 @@ def child(argv: list[str], timeout: int, log: Path | None = None) -> str:
     the next configuration measures."""
     proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
+    timed_out = False
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
-        stderr += f"\ntimed out after {timeout} s"
-        proc.returncode = proc.returncode or 1
+        timed_out = True
     if log is not None:
         log.write_text(stdout + stderr)
-    if proc.returncode and stderr.endswith(f"timed out after {timeout} s"):
+    if timed_out:
         return f"timed out after {timeout} s"
     return (stdout[-1500:] + stderr[-3000:]).strip() if proc.returncode else ""
 
