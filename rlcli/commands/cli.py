@@ -86,12 +86,17 @@ HYDRA_LEFTOVERS = {".hydra", "cli.log"}
 def refused_leaves_nothing(out_dir: str) -> Iterator[None]:
     """A run refused here (a config error, a value check, unreadable data: raised before any compute) takes back
     the run directory Hydra made for it, when it holds nothing but HYDRA_LEFTOVERS: no empty run folders. A folder
-    with anything else in it (an earlier run's checkpoints or metrics) is left as it is."""
+    with anything else in it (an earlier run's checkpoints or metrics) is left as it is, and so is a sweep's trial
+    (the sweep records the failure in it, trial.json, and its summary reads the trial's overrides there)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    trial = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
     try:
         yield
     except (SystemExit, Exception):
         out = Path(out_dir)
-        if out.is_dir() and {p.name for p in out.iterdir()} <= HYDRA_LEFTOVERS:
+        if not trial and out.is_dir() and {p.name for p in out.iterdir()} <= HYDRA_LEFTOVERS:
             shutil.rmtree(out, ignore_errors=True)
         raise
 
