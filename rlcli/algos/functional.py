@@ -206,7 +206,8 @@ def pkpo_advantages(scores: Tensor, group_index: Tensor, k: int) -> Tensor:
     count = _group_sum(torch.ones_like(g), grp, n_groups).long()  # [P]
     first = torch.cumsum(count, 0) - count  # [P] each group's first position in `order`
     m = torch.arange(len(g)) - first[grp] + 1  # [N] 1-based position within the group
-    comb = [math.comb(i, k - 1) for i in range(len(g) + 1)], [math.comb(i, k - 2) for i in range(len(g) + 1)]
+    size = int(count.max())  # positions m - 1 < the largest group's size
+    comb = [math.comb(i, k - 1) for i in range(size)], [math.comb(i, k - 2) for i in range(size)]
     top = torch.tensor(comb[0], dtype=torch.float64)[m - 1]  # [N] C(m-1, k-1): subsets in which it is the last
     below = torch.tensor(comb[1], dtype=torch.float64)[m - 1] * g  # [N] C(m-1, k-2)·g_(m)
     running = torch.cumsum(below, 0) - below  # [N] Σ over every earlier position, other groups' too
