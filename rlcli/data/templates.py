@@ -35,6 +35,10 @@ TEMPLATES: dict[str, str] = {
     "dapo": DAPO_TEMPLATE,
     # The common chain-of-thought instruction for \boxed{} answers (Qwen2.5-Math style evaluations).
     "boxed": "{question}\nPlease reason step by step, and put your final answer within \\boxed{}.",
+    # reasoning-gym's convention (its SYSTEM_PROMPTS, read by reasoning_gym.utils.extract_answer): the final answer
+    # alone between <answer> tags; the reward `reasoning_gym` reads the last such pair.
+    "answer_tag": "{question}\n\nThink step by step, then give your final answer between <answer> and </answer> "
+                  "tags, with nothing else inside them.",
 }
 """Named templates for `data.template`; `{question}` marks where the problem goes."""
 

@@ -25,7 +25,9 @@ def sample_and_verify(
     truncation flags; with `progress`, a bar named `desc`."""
     k, chunk = eval_cfg.k, max(1, eval_cfg.batch_prompts)
     sampling = Sampling.of_eval(eval_cfg, rollout_cfg)
-    votes = "code" not in rewards.functions
+    # maj@k votes on final answers as math_verify reads them; code has none, and reasoning_gym's scorers judge more
+    # than an answer's equality (partial credit, several right answers): no maj@k for either
+    votes = not {"code", "reasoning_gym"} & set(rewards.functions)
     results: list[dict[str, Any]] = []
     bar = tqdm(total=len(examples), desc=desc, unit="prompt", disable=not progress, leave=False)
     for s in range(0, len(examples), chunk):
@@ -52,10 +54,18 @@ def sample_and_verify(
 
 
 def metrics(per_prompt: list[dict[str, Any]], eval_cfg: Any) -> dict[str, float]:
-    """summarize's metrics, and with multi-turn rollout eval/tool_use: the share of responses that called a tool."""
+    """summarize's metrics, with multi-turn rollout eval/tool_use (the share of responses that called a tool), and with
+    a mix of tasks (data=reasoning_gym) eval/acc/<task>: the held-out accuracy of each task's prompts."""
+    from rlcli.data.reasoning_gym import task_of
+
     out = summarize(per_prompt, pass_ks=list(eval_cfg.pass_ks) or None)
     calls = [c for row in per_prompt for c in row.get("tool_calls", [])]
-    return out | ({"eval/tool_use": sum(c > 0 for c in calls) / len(calls)} if calls else {})
+    by_task: dict[str, list[float]] = {}
+    for row in per_prompt:
+        if (task := task_of(row["answer"])) is not None:
+            by_task.setdefault(task, []).append(sum(row["correct"]) / len(row["correct"]))
+    return out | ({"eval/tool_use": sum(c > 0 for c in calls) / len(calls)} if calls else {}) | {
+        f"eval/acc/{task}": sum(v) / len(v) for task, v in sorted(by_task.items())}
 
 
 def eval_subset(examples: list[dict[str, str]], e: Any) -> tuple[list[dict[str, str]], str]:

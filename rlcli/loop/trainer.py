@@ -38,6 +38,7 @@ from rlcli.config import units
 from rlcli.core.batch import RolloutBatch
 from rlcli.core.units import duration
 from rlcli.data import PromptStream, load_split
+from rlcli.data.reasoning_gym import task_names
 from rlcli.engine.collectives import all_reduce, barrier, gather_objects, rank_zero_first
 from rlcli.loop import checkpoint as ckpt
 from rlcli.loop.eval import eval_subset
@@ -72,6 +73,7 @@ class Trainer:
         self.tokenizer = self.learner.tokenizer
         self.rewards = RewardManager.for_run(cfg, self.tokenizer, with_model=channel is None)  # else rollout ranks score
         train, self.train_report = load_split(cfg.data, "train", cfg.seed, tokenizer=self.tokenizer)
+        self.tasks = task_names(cfg.data)  # a mix of tasks (data=reasoning_gym): acc/<task>, reward/<task>
         evals, _ = load_split(cfg.data, "eval", cfg.seed, tokenizer=self.tokenizer)
         if cfg.hw.max_tokens_per_micro_batch == "auto":  # `rlcli train` fixes it; a Trainer built in code does here,
             # from the same prompt length (the embedded task's exact bound, else the data's longest prompt)
@@ -216,7 +218,7 @@ class Trainer:
             return made.batch
 
         batch, pool, sampling = s.sampler.collect(sample, self.learner.logprobs)
-        metrics = sampling_metrics(batch, pool, per_trajectory, {**counts, **sampling})
+        metrics = sampling_metrics(batch, pool, per_trajectory, {**counts, **sampling}, self.tasks)
         return batch, metrics | s.rollout.metrics(batch, s.step)
 
     # ------------------------------------------------------------------ stage 5

@@ -9,8 +9,8 @@ Scoring (docs/rewards.md#scoring), per response i:
     v_rm,i = the reward model's score of (prompt_i, response_i), normalised by reward.rm.normalize (rm only)
     v_judge,i = a generative judge's verdict on (prompt_i, response_i, reference_i), mapped to [0, 1] (judge only)
 
-``acc`` (math-verify correctness) is computed for every response even when ``math_verify`` has no
-weight: metrics and dynamic sampling need it. A response whose verification times out or errors
+``acc`` (math-verify correctness; with ``code`` all tests passing, with ``reasoning_gym`` a full score) is computed
+for every response even when ``math_verify`` has no weight: metrics and dynamic sampling need it. A response whose verification times out or errors
 gets acc = 0 and raw value 0 for every part, so with DAPO's ±1 mapping it scores
 ``weights.math_verify · incorrect_score`` (−1), exactly like a wrong answer: a timeout must never pay
 more than an honest mistake.

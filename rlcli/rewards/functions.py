@@ -33,7 +33,7 @@ from typing import Any
 from rlcli.core.answers import MAX_BRACE_DEPTH as MAX_BRACE_DEPTH  # re-exported, see the docstring
 from rlcli.core.answers import MalformedResponse, extract_final_answer
 from rlcli.core.registry import Registry, import_dotted
-from rlcli.rewards import code
+from rlcli.rewards import code, reasoning_gym
 
 REWARDS = Registry("reward function")
 
@@ -116,6 +116,14 @@ def length_reward(
 # how the execution ended (code/ok, code/failed, code/timeout, ...).
 REWARDS.register("code")(code.code_reward)
 
+# A reasoning-gym task's own scorer of the response's last <answer>...</answer> (rlcli/rewards/reasoning_gym.py), in
+# [0, 1], partial where the task gives partial credit; acc is a full score.
+REWARDS.register("reasoning_gym")(reasoning_gym.reasoning_gym_reward)
+
+ACC_PARTS = ("code", "reasoning_gym")
+"""Reward functions that define acc themselves when they are a part (acc = their value >= 1: all tests pass, a full
+score); without one, math_verify does."""
+
 
 # ---------------------------------------------------------------------------------------------
 # Inside a reward worker: setup_worker() once, then score_item() per response (see pool.py).
@@ -136,12 +144,14 @@ def setup_worker(spec: dict[str, Any]) -> None:
     verify(_parse_math("0.5"), _parse_math("\\frac{1}{2}"), timeout_seconds=None)
     _MAX_CHARS[0] = spec["max_response_chars"]
     _PARTS.clear()
-    # acc is always computed (metrics, dynamic sampling): by `code` where it is a part (all tests pass), else by
-    # math_verify, which is then always the first part.
-    _ACC[0] = "code" if "code" in spec["parts"] else "math_verify"
+    # acc is always computed (metrics, dynamic sampling): by the first of ACC_PARTS that is a part (`code`: all tests
+    # pass; `reasoning_gym`: a full score), else by math_verify, which is then always the first part.
+    _ACC[0] = next((n for n in ACC_PARTS if n in spec["parts"]), "math_verify")
     for name in [_ACC[0], *(n for n in spec["parts"] if n != _ACC[0])]:
         if name == "code":
             code.interpreter()  # no sandbox here: the worker fails at start-up with the fix, before any step
+        if name == "reasoning_gym":
+            reasoning_gym.warm_up()
         if name in spec["custom"]:
             try:
                 fn = import_dotted(spec["custom"][name])

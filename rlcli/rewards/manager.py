@@ -27,7 +27,8 @@ class RewardOutput:
     """[N] float32, the reward functions' weighted sum Σ_k w_k · v_k (math_verify mapped to correct/incorrect); the
     model parts (rm, judge), if any, are reward_batch's to add."""
     acc: torch.Tensor
-    """[N] float32 in {0, 1}, math-verify correctness, computed even when math_verify has no weight."""
+    """[N] float32 in {0, 1}, correctness: all tests pass (code), a full score (reasoning_gym), else math-verify's
+    verdict, computed even when math_verify has no weight (rlcli.rewards.functions.ACC_PARTS)."""
     parts: dict[str, torch.Tensor]
     """Reward function name -> [N] float32 raw values (math_verify raw = acc, before the ±1 mapping)."""
     flagged: torch.Tensor

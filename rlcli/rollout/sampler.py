@@ -13,7 +13,7 @@ two callables `GroupSampler.collect` receives, so the logic is tested without on
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -128,11 +128,29 @@ class GroupSampler:
         return b.replace(old_logp=old, stale=torch.ones(len(b), dtype=torch.bool))
 
 
+def per_task(batch: RolloutBatch, tasks: Sequence[str]) -> dict[str, Tensor]:
+    """acc/<task> and reward/<task> of a mix of tasks (data=reasoning_gym: each row's task is in its ground truth,
+    rlcli.data.reasoning_gym.task_of): the acc and score of that task's rows. `tasks` comes from the config, so every
+    rank has the same names whatever its rows (a task no rank drew this step is left out after the reduction)."""
+    from rlcli.data.reasoning_gym import task_of
+
+    if not tasks:
+        return {}
+    rows = [task_of(a) for a in batch.answers]
+    out = {}
+    for task in tasks:
+        idx = torch.tensor([r == task for r in rows], dtype=torch.bool)  # [N]
+        out[f"acc/{task}"], out[f"reward/{task}"] = batch.acc[idx], batch.scores[idx]
+    return out
+
+
 def sampling_metrics(batch: RolloutBatch, pool: list[RolloutBatch], per_trajectory: dict[str, list[Tensor]],
-                     counts: dict[str, float]) -> dict[str, float]:
+                     counts: dict[str, float], tasks: Sequence[str] = ()) -> dict[str, float]:
     """Reward, accuracy, length and dynamic-sampling metrics of a step over all ranks: means over the
-    trained batch, `pool_mean`s over every trajectory generated, counts summed."""
+    trained batch (per task too, given the run's `tasks`), `pool_mean`s over every trajectory generated, counts
+    summed."""
     stats = global_stats({
+        **per_task(batch, tasks),
         "reward": batch.scores, "acc": batch.acc, "response_length": batch.lengths.float(),
         "prompt_length/mean": batch.prompt_mask.sum(-1).float(),
         "response_length/clip_ratio": batch.truncated.float(),

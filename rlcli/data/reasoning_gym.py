@@ -1,0 +1,228 @@
+"""reasoning-gym's procedural tasks as prompts (data.source=reasoning_gym; docs/environments.md, "reasoning-gym").
+
+reasoning-gym (`pip install 'rlcli[reasoning-gym]'`) generates verifiable problems offline: `create_dataset(name,
+size=, seed=, **config)` gives entries `{"question", "answer", "metadata"}` and the dataset's own
+`score_answer(answer, entry)` in [0, 1]. Here:
+
+- `data.reasoning_gym.tasks` lists the tasks: a name, or `{name, weight, config}` (weight: the task's share of the
+  rows, default 1; config: its own keyword arguments for create_dataset, never `seed` or `size`, which the split
+  sets). Each task gets round(size x weight / total weight) rows of a split, by largest remainder (the counts add up
+  to the size exactly), and the rows of all tasks are then shuffled together (seeded).
+- Training rows are generated with the run's `seed`; held-out rows with `eval_seed(seed)` = seed + 2^31 (mod 2^32),
+  far from the training seeds (most tasks draw entry i from Random(seed + i)). A held-out row whose question is also
+  a training question is dropped and counted: no held-out question is ever trained on.
+- The prompt is the question through data.template (the preset's `answer_tag`: reasoning-gym's convention of the
+  final answer between <answer> and </answer> tags) and data.chat, like every prompt; over-long ones are dropped and
+  counted (data.max_prompt_len).
+- The answer column is the ground-truth payload the reward `reasoning_gym` reads (rlcli/rewards/reasoning_gym.py):
+  JSON `{"task": name, "config": config, "entry": entry}`; `task_of` reads the task back (per-task metrics).
+
+reasoning_gym is imported only when rows are generated or the tasks are checked (about a second).
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import json
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlcli.core.schema import ConfigError
+
+INSTALL = "pip install 'rlcli[reasoning-gym]'"
+EVAL_SEED_OFFSET = 2**31
+"""Held-out rows use seed + EVAL_SEED_OFFSET (mod 2^32): most tasks draw entry i from Random(seed + i), so the two
+splits' seeds are 2^31 entries apart."""
+KEY = "data.reasoning_gym.tasks"
+RESERVED_CONFIG = ("seed", "size")
+"""create_dataset keywords the split sets (train/eval seed, row count); a task's config may not set them."""
+
+
+@dataclass
+class ReasoningGymConfig:
+    """data.reasoning_gym.*: the tasks of data.source=reasoning_gym (docs/environments.md, "reasoning-gym")."""
+
+    tasks: list[Any] = field(default_factory=list)
+    """reasoning-gym task names, or mappings {name, weight (share of the rows, default 1), config (the task's
+    keyword arguments for create_dataset)}, e.g. [chain_sum, {name: gcd, weight: 2}]."""
+
+
+@dataclass(frozen=True)
+class Task:
+    """One entry of data.reasoning_gym.tasks, normalised."""
+
+    name: str
+    weight: float
+    config: dict[str, Any]
+
+    @property
+    def config_json(self) -> str:
+        return json.dumps(self.config, sort_keys=True)
+
+
+def parse_tasks(tasks: Any) -> list[Task]:
+    """data.reasoning_gym.tasks -> [Task]; a ConfigError names the item and the fix (the names are not checked here:
+    `check_tasks` imports reasoning-gym for that)."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    if isinstance(tasks, DictConfig | ListConfig):
+        tasks = OmegaConf.to_container(tasks, resolve=True)
+    if not tasks:
+        raise ConfigError(f"data.source=reasoning_gym needs {KEY}: a list of task names, e.g. {KEY}=[chain_sum]")
+    out = []
+    for i, item in enumerate(tasks):
+        where = f"{KEY}[{i}]"
+        if isinstance(item, str):
+            item = {"name": item}
+        if not isinstance(item, Mapping) or not isinstance(item.get("name"), str) or not item["name"]:
+            raise ConfigError(f"{where}={item!r}: give a task name or a mapping {{name, weight, config}}")
+        extra = sorted(set(item) - {"name", "weight", "config"})
+        if extra:
+            raise ConfigError(f"{where}.{extra[0]} is not a task key: a task is {{name, weight, config}} (the task's "
+                              f"own arguments go under {where}.config)")
+        weight = item.get("weight", 1)
+        if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 < weight < float("inf"):
+            raise ConfigError(f"{where}.weight={weight!r} must be a number > 0 (the task's share of the rows)")
+        config = item.get("config") or {}
+        if not isinstance(config, Mapping):
+            raise ConfigError(f"{where}.config={config!r} must be a mapping of the task's keyword arguments")
+        for key in RESERVED_CONFIG:
+            if key in config:
+                raise ConfigError(f"{where}.config.{key} is set by the split (data.train_size / data.eval_size, and "
+                                  f"the run's seed): drop it")
+        out.append(Task(item["name"], float(weight), dict(config)))
+    return out
+
+
+def task_names(data_cfg: Any) -> list[str]:
+    """The distinct task names of a reasoning_gym run, in config order (per-task metrics); [] for other sources."""
+    if data_cfg.source != "reasoning_gym":
+        return []
+    return list(dict.fromkeys(t.name for t in parse_tasks(data_cfg.reasoning_gym.tasks)))
+
+
+def eval_seed(seed: int) -> int:
+    """The seed of the held-out rows (EVAL_SEED_OFFSET)."""
+    return (seed + EVAL_SEED_OFFSET) % 2**32
+
+
+def _import() -> Any:
+    try:
+        import reasoning_gym
+    except ImportError:
+        raise ConfigError(f"data.source=reasoning_gym needs the reasoning-gym package, which is not installed: "
+                          f"{INSTALL}") from None
+    return reasoning_gym
+
+
+def check_tasks(tasks: list[Task]) -> None:
+    """Each task name is a reasoning-gym dataset and its config builds one; else a one-line ConfigError naming the
+    close names or the rejected argument. Imports reasoning-gym (about a second)."""
+    rg = _import()
+    from reasoning_gym.factory import DATASETS
+
+    for i, t in enumerate(tasks):
+        if t.name not in DATASETS:
+            close = difflib.get_close_matches(t.name, list(DATASETS), n=3)
+            hint = f"did you mean {' or '.join(close)}?" if close else "no close name"
+            raise ConfigError(f"{KEY}[{i}]: {t.name!r} is not a reasoning-gym task ({hint}); reasoning_gym.factory."
+                              f"DATASETS lists all {len(DATASETS)}")
+        try:
+            rg.create_dataset(t.name, size=1, seed=0, **t.config)
+        except Exception as e:  # TypeError (an unknown argument), AssertionError (its validate), ValueError
+            raise ConfigError(f"{KEY}[{i}].config={t.config}: reasoning-gym's {t.name} rejects it "
+                              f"({type(e).__name__}: {e})") from None
+
+
+def shares(size: int, weights: list[float]) -> list[int]:
+    """`size` rows split by `weights`, largest remainder first (ties to the earlier task): the counts sum to size."""
+    total = sum(weights)
+    exact = [size * w / total for w in weights]
+    counts = [int(x) for x in exact]
+    order = sorted(range(len(weights)), key=lambda i: (-(exact[i] - counts[i]), i))
+    for i in order[: size - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+def ground_truth(task: Task, entry: Mapping[str, Any]) -> str:
+    """The answer column: what the reward needs to call the task's own scorer (rlcli/rewards/reasoning_gym.py)."""
+    try:
+        return json.dumps({"task": task.name, "config": task.config, "entry": dict(entry)}, sort_keys=True)
+    except TypeError as e:
+        raise ConfigError(f"{KEY}: reasoning-gym's {task.name} makes entries that are not JSON ({e}); this task "
+                          "cannot be carried to the reward workers") from None
+
+
+def task_of(answer: str) -> str | None:
+    """The task of a row from its answer column (the ground-truth payload), or None if it is not one."""
+    if not isinstance(answer, str) or not answer.startswith("{"):
+        return None
+    try:
+        payload = json.loads(answer)
+    except json.JSONDecodeError:
+        return None
+    task = payload.get("task") if isinstance(payload, dict) else None
+    return task if isinstance(task, str) else None
+
+
+@functools.lru_cache(maxsize=8)  # the held-out split needs the training questions: generate them once
+def _generate(tasks_json: str, size: int, seed: int) -> tuple[tuple[str, str], ...]:
+    """(question, ground truth) rows of one split: each task's share, then shuffled together (seeded)."""
+    rg = _import()
+    tasks = [Task(t["name"], t["weight"], t["config"]) for t in json.loads(tasks_json)]
+    rows: list[tuple[str, str]] = []
+    for task, n in zip(tasks, shares(size, [t.weight for t in tasks])):
+        if n:
+            rows += [(e["question"], ground_truth(task, e)) for e in rg.create_dataset(task.name, size=n, seed=seed,
+                                                                                        **task.config)]
+    random.Random(f"reasoning_gym/{seed}").shuffle(rows)
+    return tuple(rows)
+
+
+def _tasks_json(tasks: list[Task]) -> str:
+    return json.dumps([{"name": t.name, "weight": t.weight, "config": t.config} for t in tasks], sort_keys=True)
+
+
+def generate_train(tasks: list[Task], size: int, seed: int) -> list[tuple[str, str]]:
+    """The (question, ground truth) training rows: seed `seed`."""
+    return list(_generate(_tasks_json(tasks), size, seed))
+
+
+def generate_eval(tasks: list[Task], size: int, train_size: int, seed: int) -> tuple[list[tuple[str, str]], int]:
+    """The held-out rows (seed eval_seed(seed)) without any question of the `train_size` training rows; -> (rows,
+    how many were dropped)."""
+    trained = {q for q, _ in _generate(_tasks_json(tasks), train_size, seed)}
+    rows = _generate(_tasks_json(tasks), size, eval_seed(seed))
+    kept = [r for r in rows if r[0] not in trained]
+    return kept, len(rows) - len(kept)
+
+
+def split_rows(data_cfg: Any, split: str, seed: int) -> tuple[list[tuple[str, str]], int, str]:
+    """(question, ground truth) rows of `split`, how many held-out rows were dropped as training questions, and what
+    made them (the load report's source); rlcli.data.loaders.load_reasoning_gym_split renders them."""
+    tasks = parse_tasks(data_cfg.reasoning_gym.tasks)
+    check_tasks(tasks)
+    if split == "train":
+        rows, dropped = generate_train(tasks, data_cfg.train_size, seed), 0
+    elif split == "eval":
+        rows, dropped = generate_eval(tasks, data_cfg.eval_size, data_cfg.train_size, seed)
+    else:
+        raise ValueError(f"split={split!r}; valid splits: ('train', 'eval')")
+    mix = ", ".join(f"{t.name} x{t.weight:g}" for t in tasks)
+    return rows, dropped, f"reasoning-gym ({mix}; seed {seed if split == 'train' else eval_seed(seed)})"
+
+
+def check_inputs(data_cfg: Any, readable: Any = None, unreadable: str = "") -> None:
+    """`rlcli train` / `rlcli eval` before anything loads (rlcli.data.loaders.check_files): the package imports,
+    every task name and config builds a dataset, and (with `readable`, a model that reads only some prompts) one of
+    the first generated questions passes it, else ConfigError(`unreadable`)."""
+    tasks = parse_tasks(data_cfg.reasoning_gym.tasks)
+    check_tasks(tasks)
+    if readable is not None:
+        questions = [q for q, _ in generate_train(tasks, min(data_cfg.train_size, 100), 0)]
+        if not any(readable(q) for q in questions):
+            raise ConfigError(f"{KEY}: {unreadable} (its first prompt: {questions[0][:80]!r})")
