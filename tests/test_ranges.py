@@ -47,6 +47,11 @@ FREE = {
     "reward.judge.path": "a model directory: cli.check_inputs checks its config.json",
     "reward.judge.rubric": "free text; rewards.config.validate_judge checks it holds {response}",
     "data.name": "a preset's label; any text",
+    "data.reasoning_gym.tasks": "task names or {name, weight, config}: data.reasoning_gym.check_tasks names an unknown "
+                                "task or a config the task rejects before anything loads (tests/test_reasoning_gym.py)",
+    "rollout.agent": "pkg.module:function: config.validate_agent imports it before anything loads (tests/test_gateway.py)",
+    "env.agent_metrics": "names the agent returns; config.validate_agent refuses reward, acc and odd characters "
+                         "(tests/test_gateway.py)",
     "data.train_path": "a file or directory: cli.check_inputs reads its first rows before anything loads",
     "data.eval_path": "a file or directory: cli.check_inputs reads its first rows before anything loads",
     "data.prompt_key": "a column path of the user's file; cli.check_inputs names it when no first row has it",
@@ -270,6 +275,7 @@ OUT_OF_RANGE = {
     "rollout.async.rollout_ranks": [0],
     "env.tool_format": ["json"], "env.max_turns": [0], "env.max_observation_chars": [0], "env.tool_timeout_s": [0],
     "env.tool_memory_mb": [32], "env.tool_workers": [0],
+    "env.episode_workers": [0], "env.episode_timeout_s": [0, -1], "env.episode_memory_mb": [128],
     "optim.lr": [0, -5e-5, NAN], "optim.weight_decay": [-0.01], "optim.betas": [1.0, -0.1], "optim.eps": [0],
     "optim.warmup_steps": [-1], "optim.scheduler": ["step"], "optim.max_grad_norm": [0, -1],
     "optim.max_skipped_steps": [0],

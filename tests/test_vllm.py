@@ -220,7 +220,9 @@ def test_grpo_with_a_tensor_parallel_engine_on_zero3_trains_and_resumes_bit_iden
 
 def test_multi_turn_rows_are_the_same_on_both_engines_and_keep_the_token_contract(calculator_cache, monkeypatch):
     """The calculator recipe's policy (rlcli/envs): greedy multi-turn rows from vLLM equal HF's token for token,
-    masks and tool counts included; sampled vLLM rows keep the token contract (tests/test_envs.py)."""
+    masks and tool counts included; sampled vLLM rows keep the token contract (tests/test_envs.py); and the agent
+    that writes the same conversation (recipe=tools/calculator_agent) gets the same rows from vLLM through the
+    gateway."""
     from test_envs import assert_token_contract
 
     from rlcli.data.arith import arith_examples
@@ -240,6 +242,16 @@ def test_multi_turn_rows_are_the_same_on_both_engines_and_keep_the_token_contrac
     assert a.extras["env/used_tool"].sum() >= 3  # multi-turn rows among them
     sampled = assert_token_contract(vllm, prompts[:8], answers[:8], 4, Sampling(48, 1.0), monkeypatch, with_logprobs=True)
     assert sampled.extras["env/used_tool"].sum() > 0
+    # the same conversation written as an OpenAI agent, through the gateway, answered by vLLM: the same rows
+    from rlcli.rollout.agent import AgentRollout
+
+    agent = AgentRollout(vllm.engine, tok, compose("recipe=tools/calculator_agent", f"model.path={path}", "model.name=hf",
+                                                   "rollout.engine=vllm", "env.episode_workers=4"))
+    c = agent.generate(prompts, answers, 1, Sampling(48, 0.0))
+    agent.pool.close()
+    agent.gateway.shutdown()
+    assert_same_rollout(a, c)
+    assert torch.equal(a.token_mask, c.token_mask) and torch.equal(a.extras["env/turns"], c.extras["env/turns"])
     hf.close()
     vllm.close()
 

@@ -25,15 +25,16 @@ def sample_and_verify(
     truncation flags; with `progress`, a bar named `desc`."""
     k, chunk = eval_cfg.k, max(1, eval_cfg.batch_prompts)
     sampling = Sampling.of_eval(eval_cfg, rollout_cfg)
-    # maj@k votes on final answers as math_verify reads them; code has none, and reasoning_gym's scorers judge more
-    # than an answer's equality (partial credit, several right answers): no maj@k for either
-    votes = not {"code", "reasoning_gym"} & set(rewards.functions)
+    # maj@k votes on final answers as math_verify reads them; code has none, reasoning_gym's scorers judge more
+    # than an answer's equality (partial credit, several right answers), and an agent (rollout.agent) judges itself:
+    # no maj@k for any of them
+    votes = not {"code", "reasoning_gym"} & set(rewards.functions) and rollout_cfg.agent is None
     results: list[dict[str, Any]] = []
     bar = tqdm(total=len(examples), desc=desc, unit="prompt", disable=not progress, leave=False)
     for s in range(0, len(examples), chunk):
         part = examples[s : s + chunk]
         b = engine.generate([e["prompt"] for e in part], [e["answer"] for e in part], k, sampling)
-        out = rewards(b.texts, b.answers)
+        acc = b.extras["env/acc"] if "env/acc" in b.extras else rewards(b.texts, b.answers).acc  # [N] (an agent's own)
         lengths, truncated = b.lengths.tolist(), b.truncated.tolist()
         for i, e in enumerate(part):
             rows = range(i * k, (i + 1) * k)
@@ -44,7 +45,7 @@ def sample_and_verify(
                 # as the reward read them; code has no final answer to vote on (None: no maj@k)
                 "answers": None if not votes else [extract_final_answer_or_none(b.texts[j], rewards.cfg.answer_format)
                                                         for j in rows],
-                "correct": [bool(out.acc[j] > 0.5) for j in rows],
+                "correct": [bool(acc[j] > 0.5) for j in rows],
                 "response_length": [lengths[j] for j in rows],
                 "truncated": [bool(truncated[j]) for j in rows],
             } | ({"tool_calls": [int(b.extras["env/tool_calls"][j]) for j in rows]} if "env/tool_calls" in b.extras else {}))

@@ -30,10 +30,7 @@ def startup_summary(t: Any) -> str:
         "  rollout        " + (f"{r.engine}, synchronous in each training process" if not asynchronous(cfg)
                                else f"asynchronous: {rollout_ranks(cfg)} rollout rank(s) with their own {r.engine} "
                                f"engine, max_staleness {staleness(cfg)}, off_policy {off_policy(cfg)}"),
-        "  environment    " + ("none (single-turn)" if cfg.env.name is None else
-                               f"{cfg.env.name}: {list(cfg.env.tools)} ({cfg.env.tool_format} calls), template "
-                               f"{cfg.env.template or 'of the tokenizer'}, up to {cfg.env.max_turns} turns in "
-                               f"{r.max_new_tokens} response tokens"),
+        "  environment    " + environment(cfg),
         f"  algorithm      {a.name}: advantage={a.adv_estimator} loss={a.policy_loss} "
         f"clip=({a.clip_low}, {a.clip_high}) agg={a.loss_agg} kl_coef={a.kl_coef}"
         f"{' (in reward)' if a.kl_in_reward else ''} reference model="
@@ -183,3 +180,14 @@ def eval_command(run_dir: str, policy: str) -> str:
             if key.split(".", 1)[0] not in TRAINING_ONLY and key != "model.path":
                 kept.append(shlex.quote(o))
     return " ".join(["rlcli eval", *kept, f"model.path={shlex.quote(policy)}"])
+
+def environment(cfg: Any) -> str:
+    """The start-up summary's environment line: single-turn, an environment's tools, or an agent's episodes."""
+    e, r = cfg.env, cfg.rollout
+    budget = f"template {e.template or 'of the tokenizer'}, up to {e.max_turns} turns in {r.max_new_tokens} response tokens"
+    if r.agent is not None:
+        return (f"agent {r.agent} through the OpenAI-compatible gateway on 127.0.0.1 ({e.episode_workers} episodes at "
+                f"once, {e.episode_timeout_s:g} s each), {budget}")
+    if e.name is None:
+        return "none (single-turn)"
+    return f"{e.name}: {list(e.tools)} ({e.tool_format} calls), {budget}"

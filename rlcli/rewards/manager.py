@@ -133,7 +133,8 @@ class RewardManager:
         timeout/error/restart counts and the model parts' counts (reward/judge_errors, ...), which add up over
         generation batches and ranks). A model part adds weight x its value (rm: the score normalised over this
         batch, reward.rm.normalize, .clip; judge: the verdict); its raw value is the part. A multi-turn row's
-        environment reward (`extras["env/reward"]`, rlcli.envs) adds to its score."""
+        environment reward (`extras["env/reward"]`, rlcli.envs; an agent's, rlcli.rollout.agent) adds to its score, and
+        an agent's acc (`extras["env/acc"]`) is the row's acc."""
         import torch
 
         out = self(b.texts, b.answers)
@@ -154,7 +155,7 @@ class RewardManager:
             counts.update({f"reward/{k}": v for k, v in scored.counts.items()})
         extras = {**b.extras, **{f"reward/{k}": v for k, v in {**parts, **more, AUDIT: flagged}.items()}}
         scores = score + b.extras["env/reward"] if "env/reward" in b.extras else score.clone()
-        return b.replace(scores=scores, acc=out.acc, extras=extras), counts
+        return b.replace(scores=scores, acc=b.extras.get("env/acc", out.acc), extras=extras), counts
 
     def _log_once(self, message: str) -> None:
         key = message.split(":", 2)[:2]  # status/part and exception type

@@ -14,8 +14,13 @@ ROLLOUT_ENGINES.register("vllm")(VLLMEngine)
 
 
 def build_engine(name: str, model: Any, tokenizer: Any, path: str, cfg: Any) -> Any:
-    """The rollout engine `name` on `model`; multi-turn (rlcli.envs) when cfg.env.name is set."""
+    """The rollout engine `name` on `model`; multi-turn (rlcli.envs) when cfg.env.name is set, an agent's episodes
+    through the gateway when cfg.rollout.agent is."""
     engine = ROLLOUT_ENGINES[name](model, tokenizer, path, cfg)
+    if cfg.rollout.agent is not None:
+        from rlcli.rollout.agent import AgentRollout
+
+        return AgentRollout(engine, tokenizer, cfg)
     if cfg.env.name is None:
         return engine
     from rlcli.rollout.multiturn import MultiTurn

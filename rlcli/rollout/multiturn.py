@@ -55,16 +55,60 @@ class Trajectory:
         self.logp += logp if logp is not None else [0.0] * len(ids)
 
 
-class MultiTurn:
+def trajectory_batch(tokenizer: Any, rows: list[Trajectory], answers: list[str], n: int, group_offset: int,
+                     with_logprobs: bool, metrics: tuple[str, ...]) -> RolloutBatch:
+    """Whole groups of trajectories (prompt i owns rows i*n .. i*n+n-1) as a RolloutBatch: prompts left-padded
+    [N, Tp], responses right-padded [N, T], each row's `metrics` stats as extras env/<name> [N]."""
+    pad = tokenizer.pad_token_id
+    t = max(1, max(len(r.ids) for r in rows))
+    prompt_ids, prompt_mask = left_padded([r.prompt for r in rows], pad)  # [N, Tp] each
+    response_ids = torch.tensor([r.ids + [pad] * (t - len(r.ids)) for r in rows])  # [N, T]
+    token_mask = torch.tensor([[1.0] * len(r.ids) + [0.0] * (t - len(r.ids)) for r in rows])  # [N, T]
+    response_mask = torch.tensor([r.trained + [0.0] * (t - len(r.ids)) for r in rows])  # [N, T]
+    logp = torch.tensor([r.logp + [0.0] * (t - len(r.ids)) for r in rows]) if with_logprobs else None  # [N, T]
+    return RolloutBatch(
+        prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids, response_mask=response_mask,
+        token_mask=token_mask, truncated=torch.tensor([r.truncated for r in rows]),
+        group_index=torch.arange(len(answers)).repeat_interleave(n) + group_offset,
+        answers=[a for a in answers for _ in range(n)],
+        texts=tokenizer.batch_decode([[i for i, m in zip(r.ids, r.trained) if m] for r in rows],
+                                     skip_special_tokens=True),
+        rollout_logp=logp, stale=torch.zeros(len(rows), dtype=torch.bool),
+        extras={f"env/{k}": torch.tensor([r.stats[k] for r in rows], dtype=torch.float32) for k in metrics},
+    )
+
+
+class Wrapped:
+    """An engine that drives an hf or vllm `engine` turn by turn (`continue_tokens`) and keeps its contract
+    (rlcli/rollout/__init__.py): weights, rest and close are the wrapped engine's."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+        self.logprobs_are_free, self.collective = engine.logprobs_are_free, engine.collective
+        self.model = engine.model  # the module it generates from (what asynchronous rollout pushes from)
+
+    def update_weights(self) -> None:
+        self.engine.update_weights()
+
+    def weights_checksum(self) -> int:
+        return self.engine.weights_checksum()
+
+    def rest(self) -> None:
+        self.engine.rest()
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class MultiTurn(Wrapped):
     """`build_engine`'s engine when env.name is set: the wrapped hf or vllm `engine`, driven turn by turn (module doc)."""
 
     def __init__(self, engine: Any, tokenizer: Any, cfg: Any):
-        self.engine, self.tokenizer, self.cfg = engine, tokenizer, cfg
+        super().__init__(engine)
+        self.tokenizer, self.cfg = tokenizer, cfg
         self.toolbox = Toolbox(cfg)
         self.chat = ChatFormat(tokenizer, cfg.template, self.toolbox.schemas)
         self.env_class = ToolEnv if cfg.name == "tools" else import_dotted(cfg.name)
-        self.logprobs_are_free, self.collective = engine.logprobs_are_free, engine.collective
-        self.model = engine.model  # the module it generates from (what asynchronous rollout pushes from)
 
     def generate(self, prompts: list[str], answers: list[str], n: int, sampling: Sampling, group_offset: int = 0,
                  with_logprobs: bool = False) -> RolloutBatch:
@@ -103,39 +147,9 @@ class MultiTurn:
                 r.add(observation, None, trained=False)
                 r.stats["observation_tokens"] += len(observation)
         self.engine.rest()
-        return self.batch(rows, answers, n, group_offset, with_logprobs)
-
-    def batch(self, rows: list[Trajectory], answers: list[str], n: int, group_offset: int,
-              with_logprobs: bool) -> RolloutBatch:
-        """The rows as a RolloutBatch: prompts left-padded [N, Tp], responses right-padded [N, T]."""
-        pad = self.tokenizer.pad_token_id
-        t = max(1, max(len(r.ids) for r in rows))
-        prompt_ids, prompt_mask = left_padded([r.prompt for r in rows], pad)  # [N, Tp] each
-        response_ids = torch.tensor([r.ids + [pad] * (t - len(r.ids)) for r in rows])  # [N, T]
-        token_mask = torch.tensor([[1.0] * len(r.ids) + [0.0] * (t - len(r.ids)) for r in rows])  # [N, T]
-        response_mask = torch.tensor([r.trained + [0.0] * (t - len(r.ids)) for r in rows])  # [N, T]
-        logp = torch.tensor([r.logp + [0.0] * (t - len(r.ids)) for r in rows]) if with_logprobs else None  # [N, T]
         for r in rows:
             r.stats["used_tool"] = float(r.stats["tool_calls"] > 0)
-        return RolloutBatch(
-            prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids, response_mask=response_mask,
-            token_mask=token_mask, truncated=torch.tensor([r.truncated for r in rows]),
-            group_index=torch.arange(len(answers)).repeat_interleave(n) + group_offset,
-            answers=[a for a in answers for _ in range(n)],
-            texts=self.tokenizer.batch_decode([[i for i, m in zip(r.ids, r.trained) if m] for r in rows],
-                                              skip_special_tokens=True),
-            rollout_logp=logp, stale=torch.zeros(len(rows), dtype=torch.bool),
-            extras={f"env/{k}": torch.tensor([r.stats[k] for r in rows], dtype=torch.float32) for k in ENV_METRICS},
-        )
-
-    def update_weights(self) -> None:
-        self.engine.update_weights()
-
-    def weights_checksum(self) -> int:
-        return self.engine.weights_checksum()
-
-    def rest(self) -> None:
-        self.engine.rest()
+        return trajectory_batch(self.tokenizer, rows, answers, n, group_offset, with_logprobs, ENV_METRICS)
 
     def close(self) -> None:
         self.toolbox.close()

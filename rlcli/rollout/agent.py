@@ -1,0 +1,100 @@
+"""AgentRollout: `build_engine`'s engine when rollout.agent is set (docs/environments.md, "Agents").
+
+Each row's G episodes each run the agent (rlcli.envs.agent) in a worker process, with an `openai` client whose base
+URL is that episode's address on the gateway (rlcli.rollout.gateway). While they run, this process (the one that
+owns the engine) answers their requests in batches with the wrapped hf or vllm engine, turn by turn
+(`continue_tokens`), and the gateway records each episode as a multi-turn row: the sampled tokens trained, every
+other token masked. When every episode has ended, the rows are one RolloutBatch of whole groups, as single-turn
+rollout makes, with per-row extras
+
+    env/reward         the agent's reward (added to the task reward: reward=agent leaves it alone)
+    env/acc            its acc (1 = solved), the row's acc in place of the task reward's
+    env/turns          completions the episode asked for; env/observation_tokens: its masked tokens
+    env/errors         1 where the agent raised (or returned something that is not a reward); reward and acc 0
+    env/timeouts       1 where it ran past env.episode_timeout_s (interrupted, killed if it must be); reward 0
+    agent/<name>       each of env.agent_metrics the agent returned
+
+At most env.episode_workers episodes run at once; a worker that dies is replaced (rlcli.rewards.pool).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import torch
+
+from rlcli.core.batch import RolloutBatch
+from rlcli.rewards.pool import RewardWorkerPool, TaskResult
+from rlcli.rollout.gateway import Gateway
+from rlcli.rollout.multiturn import Wrapped, trajectory_batch
+from rlcli.rollout.sampling import Sampling
+
+log = logging.getLogger(__name__)
+
+AGENT_METRICS = ("turns", "observation_tokens", "errors", "timeouts", "reward", "acc")
+"""Per-episode values in RolloutBatch.extras as env/<name> (module doc; docs/metrics.md)."""
+
+
+class AgentRollout(Wrapped):
+    """Episodes of the agent rollout.agent through the gateway, answered by the wrapped `engine` (module doc)."""
+
+    def __init__(self, engine: Any, tokenizer: Any, cfg: Any):
+        super().__init__(engine)
+        e = cfg.env
+        self.tokenizer, self.timeout_s, self.names = tokenizer, e.episode_timeout_s, tuple(e.agent_metrics)
+        self.pool = RewardWorkerPool("rlcli.envs.agent.run_episode", setup="rlcli.envs.agent.setup_worker",
+                                     setup_args=(cfg.rollout.agent, list(self.names)), num_workers=e.episode_workers,
+                                     timeout_s=e.episode_timeout_s, memory_mb=e.episode_memory_mb)
+        self.gateway = Gateway(tokenizer, e, max_batch=e.episode_workers)
+        self._logged: set[str] = set()
+
+    def generate(self, prompts: list[str], answers: list[str], n: int, sampling: Sampling, group_offset: int = 0,
+                 with_logprobs: bool = False) -> RolloutBatch:
+        episodes = self.gateway.open(len(prompts) * n, sampling.max_new_tokens)
+        rows = [{"prompt": p, "answer": a} for p, a in zip(prompts, answers) for _ in range(n)]
+        items = [(url, row, self.timeout_s) for (_, url), row in zip(episodes, rows)]
+        results: list[TaskResult] = []
+        failure: list[BaseException] = []
+        finished = threading.Event()
+
+        def run() -> None:
+            try:
+                results.extend(self.pool.map(items))
+            except BaseException as err:  # the pool could not run them (a worker failed to start): raised below
+                failure.append(err)
+            finally:
+                self.gateway.close([e for e, _ in episodes])  # later requests (a killed agent's) are refused
+                finished.set()
+
+        thread = threading.Thread(target=run, name="rlcli-agents", daemon=True)
+        thread.start()
+        self.gateway.serve(self.engine, sampling, finished)
+        thread.join()
+        self.engine.rest()
+        if failure:
+            raise RuntimeError(f"rollout.agent: {failure[0]}") from failure[0]
+        trajectories = []
+        for (e, _), r in zip(episodes, results):
+            if r.status == "ok":
+                e.stats.update(r.value)
+            else:
+                e.stats["timeouts" if r.status == "timeout" else "errors"] += 1.0
+                self.log_once(f"an episode {'timed out' if r.status == 'timeout' else 'failed'}: {r.message}")
+            trajectories.append(e)
+        batch = trajectory_batch(self.tokenizer, trajectories, answers, n, group_offset, with_logprobs, AGENT_METRICS)
+        batch.extras.update({f"agent/{k}": torch.tensor([e.stats[k] for e in trajectories], dtype=torch.float32)
+                             for k in self.names})  # [N] each
+        return batch
+
+    def log_once(self, message: str) -> None:
+        key = message.split(":", 2)[:2]
+        if str(key) not in self._logged:
+            self._logged.add(str(key))
+            log.warning("rollout.agent: %s (further failures of this kind are only counted)", message[:300])
+
+    def close(self) -> None:
+        self.pool.close()
+        self.gateway.shutdown()
+        self.engine.close()
