@@ -119,11 +119,9 @@ def test_multi_turn_config_errors_name_the_fix(overrides, message):
 # ------------------------------------------------------------------------------------------------ token contract
 
 
-def assert_token_contract(mt, prompts, answers, n, sampling, monkeypatch, with_logprobs=False):
-    """Run `mt.generate` with spies on the engine and the tokenizer, and check each row is prompt ⊕ generated₁ ⊕
-    observation₁ ⊕ ... exactly: the engine's tokens verbatim, each observation the template's suffix (plain:
-    '\\n' + result + '\\n'), each turn's context the row so far, and nothing generated ever encoded. -> the batch"""
-    tok, engine = mt.tokenizer, mt.engine
+def spy_on(monkeypatch, engine, tok):
+    """Record each `continue_tokens` call of `engine` as (contexts, outputs) and each text `tok` encodes; tokenising
+    with `tok(...)` fails the test. -> (the calls, the texts), filled as the rollout runs"""
     turns, encoded = [], []
     continue_tokens, encode = engine.continue_tokens, tok.encode
 
@@ -139,6 +137,15 @@ def assert_token_contract(mt, prompts, answers, n, sampling, monkeypatch, with_l
     monkeypatch.setattr(engine, "continue_tokens", spy_engine)
     monkeypatch.setattr(tok, "encode", spy_encode)
     monkeypatch.setattr(type(tok), "__call__", lambda *a, **k: pytest.fail("the rollout tokenised with __call__"))
+    return turns, encoded
+
+
+def assert_token_contract(mt, prompts, answers, n, sampling, monkeypatch, with_logprobs=False):
+    """Run `mt.generate` with spies on the engine and the tokenizer, and check each row is prompt ⊕ generated₁ ⊕
+    observation₁ ⊕ ... exactly: the engine's tokens verbatim, each observation the template's suffix (plain:
+    '\\n' + result + '\\n'), each turn's context the row so far, and nothing generated ever encoded. -> the batch"""
+    tok = mt.tokenizer
+    turns, encoded = spy_on(monkeypatch, mt.engine, tok)
     b = mt.generate(prompts, answers, n, sampling, with_logprobs=with_logprobs)
     monkeypatch.undo()
     rows = [list(p[m.bool()].tolist()) for p, m in zip(b.prompt_ids, b.prompt_mask)]

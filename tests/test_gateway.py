@@ -88,24 +88,14 @@ def test_sampled_agent_rows_hold_the_sampled_tokens_verbatim_and_mask_the_rest(p
     """At T=1, with spies on the engine and the tokenizer: each row is prompt ⊕ sampled₁ ⊕ observation₁ ⊕ ...: every
     engine call's context is its row so far, its tokens follow verbatim with their log-probs (response_mask 1),
     every other response token is masked with log-prob 0, and no generated text is ever encoded again."""
-    tok, engine = policy[1], policy[2].engine
-    calls, encoded = [], []
-    continue_tokens, encode = engine.continue_tokens, tok.encode
+    from test_envs import spy_on
 
-    def spy_engine(contexts, budgets, sampling, with_logprobs=False):
-        out = continue_tokens(contexts, budgets, sampling, with_logprobs)
-        calls.extend(zip(contexts, out))
-        return out
-
-    def spy_encode(text, **kw):
-        encoded.append(text)
-        return encode(text, **kw)
-
-    monkeypatch.setattr(engine, "continue_tokens", spy_engine)
-    monkeypatch.setattr(tok, "encode", spy_encode)
+    tok = policy[1]
+    turns, encoded = spy_on(monkeypatch, policy[2].engine, tok)
     prompts, answers = prompts_of(6, seed=5)
     b = calculator_agent.generate(prompts, answers, 4, Sampling(48, 1.0), with_logprobs=True)
     monkeypatch.undo()
+    calls = [(context, out) for contexts, outs in turns for context, out in zip(contexts, outs)]
     rows = [(p[m.bool()].tolist(), r[t.bool()].tolist()) for p, m, r, t in
             zip(b.prompt_ids, b.prompt_mask, b.response_ids, b.token_mask)]
     sampled = torch.zeros_like(b.response_mask)
