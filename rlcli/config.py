@@ -27,6 +27,8 @@ from rlcli.core.names import ATTN_IMPLEMENTATIONS, MODEL_DTYPES, ROLLOUT_ENGINES
 from rlcli.core.schema import ConfigError, check_known_keys, check_ranges, keyword_field, rng
 from rlcli.core.topology import asynchronous, rollout_ranks, staleness, trainer_ranks, world_size
 from rlcli.data.config import DataConfig
+from rlcli.envs.openenv import OpenEnvConfig
+from rlcli.envs.openenv import check_config as check_openenv
 from rlcli.models.config import CriticConfig, TinyModelConfig, WarmStartConfig
 from rlcli.rewards.config import MODEL_PART, RewardConfig, group_base
 from rlcli.rm.config import RMConfig
@@ -309,17 +311,21 @@ class EnvConfig:
     """Address-space cap of each tool worker process."""
     tool_workers: int = rng(2, ge=1)
     """Worker processes that run tool calls (rlcli/rewards/pool.py: a clock and a memory cap, no isolation)."""
-    episode_workers: int = rng(8, ge=1)
-    """rollout.agent: episodes run at once, each in a worker process (rlcli/rewards/pool.py); the gateway answers
-    their requests together, in batches of up to this many."""
+    episode_workers: int = rng(2, ge=1)
+    """rollout.agent: worker processes that run the agent (rlcli/rewards/pool.py: a clock and a memory cap each)."""
+    episodes_per_worker: int = rng(32, ge=1)
+    """rollout.agent: episodes a worker runs at once, a thread each: episode_workers x episodes_per_worker episodes
+    run at once, and the gateway answers their waiting requests together, in one batch."""
     episode_timeout_s: float = rng(300.0, gt=0)
     """rollout.agent: an episode running longer is interrupted (killed if it must be) and scores 0, counted in
     env/timeouts; also each request's client timeout."""
-    episode_memory_mb: int = rng(2048, ge=256, why="a worker needs ~150 MiB for the openai client")
-    """rollout.agent: address-space cap of each episode's worker process."""
+    episode_memory_mb: int = rng(4096, ge=256, why="a worker needs ~150 MiB for the openai client")
+    """rollout.agent: address-space cap of each worker process (its episodes' threads together)."""
     agent_metrics: list[str] = field(default_factory=list)
     """rollout.agent: names of numbers the agent returns beside its reward, logged as agent/<name> (each rank logs
     them all, so they are named here)."""
+    openenv: OpenEnvConfig = field(default_factory=OpenEnvConfig)
+    """env=openenv: its server (env.openenv.url or .app) and the bounds on its episodes (rlcli/envs/openenv.py)."""
 
 
 @dataclass
@@ -842,6 +848,7 @@ def validate_env(cfg: Any) -> None:
     except (ImportError, AttributeError, ValueError, TypeError) as err:
         raise ConfigError(f"env.tools={list(e.tools)}: {type(err).__name__}: {err}. List functions decorated with "
                           "@rlcli.envs.tool, by dotted path importable here, e.g. [rlcli.envs.calculator.calc]") from None
+    check_openenv(e)
     if r.agent is not None:
         validate_agent(cfg)
     elif e.agent_metrics:

@@ -6,7 +6,7 @@ import time
 
 def text_turns(client, row):
     """Two /v1/completions calls: the prompt, then the text so far with a line of its own added."""
-    first = client.completions.create(model="policy", prompt=row["prompt"], max_tokens=16)
+    first = client.completions.create(model="policy", prompt=row["prompt"], max_tokens=40)
     text = row["prompt"] + first.choices[0].text
     if first.choices[0].finish_reason == "stop":
         client.completions.create(model="policy", prompt=text + "\ncheck:", max_tokens=8)
@@ -37,7 +37,7 @@ def streaming(client, row):
     content left out. -> reward = the completion tokens the usage chunk reports; chars = the streamed text's length."""
     first = [{"role": "user", "content": row["prompt"]}]
     text, finish, usage = "", None, None
-    for chunk in client.chat.completions.create(model="policy", messages=first, max_tokens=24, stream=True,
+    for chunk in client.chat.completions.create(model="policy", messages=first, max_tokens=40, stream=True,
                                                 stream_options={"include_usage": True}):
         if chunk.choices:
             text += chunk.choices[0].delta.content or ""
@@ -47,3 +47,14 @@ def streaming(client, row):
         client.chat.completions.create(model="policy", max_tokens=4, messages=[
             *first, {"role": "assistant", "content": ""}, {"role": "user", "content": "again"}])
     return {"reward": float(usage.completion_tokens), "chars": float(len(text))}
+
+
+def pid_or_retire(item):
+    """A worker-pool task: this worker's pid; the item "retire" asks for the worker to be replaced after it."""
+    import os
+
+    from rlcli.rewards.pool import retire_after_reply
+
+    if item == "retire":
+        retire_after_reply()
+    return os.getpid()

@@ -520,3 +520,12 @@ def test_every_loop_state_field_survives_a_save_and_a_load():
         assert getattr(t, name) == data[name], name
     assert t.prompts.state_dict() == s.prompts.state_dict() and t.prompts.take(4) == s.prompts.take(4)
     assert t.sampler.carry == ["a surplus group"] and t.kl_ctl.value == 0.37
+    # a checkpoint from before the keys added later resumes with those fields as built; any other key is required
+    from rlcli.loop.state import ADDED_LATER
+
+    old = {k: v for k, v in s.state_dict().items() if k not in ADDED_LATER}
+    u = fresh()
+    u.load_state_dict(old)
+    assert u.step == 5 and u.entropy_ctl is None and u.curriculum is None
+    with pytest.raises(KeyError):
+        fresh().load_state_dict({k: v for k, v in old.items() if k != "next_group"})

@@ -15,8 +15,8 @@ from rlcli.config import validate
 from rlcli.core.schema import ConfigError
 from rlcli.rollout import Sampling
 
-AGENT = ["recipe=tools/calculator_agent", "env.episode_workers=4"]
-"""The calculator as an agent (rlcli.envs.calculator:agent), 4 episodes at once."""
+AGENT = ["recipe=tools/calculator_agent", "env.episode_workers=2", "env.episodes_per_worker=16"]
+"""The calculator as an agent (rlcli.envs.calculator:agent), 32 episodes at once."""
 
 
 def prompts_of(k, seed=3):
@@ -124,7 +124,7 @@ def test_text_completions_extend_the_episode_and_group_sampling_makes_whole_grou
     rollout = agent_rollout(policy, "agent_fixtures:text_turns", "env.agent_metrics=[]")
     try:
         prompts, answers = prompts_of(3)
-        b = rollout.generate(prompts, answers, 2, Sampling(32, 1.0), group_offset=5)
+        b = rollout.generate(prompts, answers, 2, Sampling(64, 1.0), group_offset=5)
     finally:
         release(rollout)
     assert b.group_index.tolist() == [5, 5, 6, 6, 7, 7]
@@ -144,7 +144,7 @@ def test_a_streamed_completion_is_the_recorded_one_and_a_turn_may_come_back_with
     usage; a second request may send the assistant turn back with empty content (tool-calling clients do)."""
     rollout = agent_rollout(policy, "agent_fixtures:streaming", "env.agent_metrics=[chars]")
     try:
-        b = rollout.generate(*prompts_of(4), 2, Sampling(48, 1.0))
+        b = rollout.generate(*prompts_of(4), 2, Sampling(64, 1.0))
     finally:
         release(rollout)
     tok = policy[1]
@@ -164,7 +164,7 @@ def test_faults_are_scored_episodes_and_the_rollout_goes_on(policy):
     """An agent that raises, hangs past env.episode_timeout_s, returns no number, rewrites the conversation it got
     back, or asks for two completions at once: its episode scores 0 and is counted (env/errors, env/timeouts); the
     others keep their rewards, and the next rollout runs."""
-    rollout = agent_rollout(policy, "agent_fixtures:faulty", "env.episode_timeout_s=3", "env.episode_workers=3",
+    rollout = agent_rollout(policy, "agent_fixtures:faulty", "env.episode_timeout_s=10", "env.episodes_per_worker=2",
                             "env.agent_metrics=[]")
     try:
         kinds = ["raises", "hangs", "garbage", "rewrites", "two", "fine"]
@@ -173,11 +173,22 @@ def test_faults_are_scored_episodes_and_the_rollout_goes_on(policy):
         assert b.extras["env/timeouts"].tolist() == [0, 1, 0, 0, 0, 0]
         assert b.extras["env/reward"].tolist() == [0, 0, 0, 0, 0, 0.75]
         assert b.extras["env/acc"].sum() == 0 and b.extras["env/turns"].tolist() == [1, 1, 1, 1, 1, 1]
-        assert rollout.pool.restarts <= 1  # the hanging worker, killed if its interrupt did not end it
         again = rollout.generate(["fine"] * 2, ["0"] * 2, 2, Sampling(16, 1.0))
         assert again.extras["env/reward"].tolist() == [0.75] * 4
+        assert rollout.pool.restarts == 1  # the worker whose thread hung, gone after its reply
     finally:
         release(rollout)
+
+
+def test_a_worker_that_asks_to_retire_is_replaced_once_its_result_is_back():
+    """What an agent's chunk does when a thread outlives its deadline (rlcli.envs.agent.run_episodes): the result
+    counts, the rest of the worker's chunk goes to its replacement, and nothing more runs in it."""
+    from rlcli.rewards.pool import RewardWorkerPool
+
+    with RewardWorkerPool("agent_fixtures.pid_or_retire", num_workers=1) as pool:
+        first, retiring, after = (r.value for r in pool.map(["a", "retire", "b"]))
+        assert first == retiring != after and pool.restarts == 1
+        assert pool.map(["c"])[0].value == after
 
 
 @pytest.mark.slow

@@ -67,9 +67,11 @@ def test_a_process_started_by_a_larger_one_reports_its_own_peak_memory():
     assert peak_mem_gb() > 0.5 and float(out.stdout) < 0.2, (peak_mem_gb(), out.stdout)
 
 
-def test_a_set_up_shared_by_the_workers_is_built_once(tmp_path_factory):
+def test_a_set_up_shared_by_the_workers_is_built_once(tmp_path_factory, monkeypatch):
     """conftest.once_per_run: the first call builds, a later call (another xdist worker) reuses what it built."""
     from conftest import once_per_run
+
+    monkeypatch.delenv("RLCLI_TEST_SHARED", raising=False)  # this run's folder, not a developer's kept one
 
     built = []
 

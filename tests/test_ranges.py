@@ -73,6 +73,14 @@ FREE = {
     "env.template": "a template name or Jinja text: ChatFormat.check judges it on a probe conversation at start-up "
                     "(tests/test_envs.py)",
     "env.system_prompt": "any text",
+    "env.openenv.url": "a URL: config.validate_env (rlcli.envs.openenv.check_config) asks its /schema before anything "
+                        "loads (CHECKED below; tests/test_openenv.py)",
+    "env.openenv.app": "module:attribute: config.validate_env (rlcli.envs.openenv.check_config) imports it before "
+                        "anything loads (CHECKED below; tests/test_openenv.py)",
+    "env.openenv.action_key": "a field of the server's action schema; the server refuses an action without it "
+                              "(an error episode, env/errors)",
+    "env.openenv.observation_key": "a field of the server's observations; one without it is an error episode "
+                                   "(env/errors)",
     "rm.name": "a preset's label; any text",
     "rm.train_path": "a file or directory: rlcli rm reads its first rows before anything loads (tests/test_rm.py)",
     "rm.eval_path": "a file or directory: rlcli rm reads its first rows before anything loads",
@@ -87,6 +95,8 @@ CHECKED = {
     "reward.custom": {"mine": "nodots"},
     "env.name": "no.such.Environment",
     "env.tools": ["rlcli.envs.calculator.nothing"],
+    "env.openenv.url": "http://127.0.0.1:1",
+    "env.openenv.app": "no_such_module:app",
     "sweep.objective": "reward/mean@0",
 }
 
@@ -238,6 +248,9 @@ OUT_OF_RANGE = {
     "algo.baseline_weights": ["sqrt_len"], "algo.rollout_correction": ["tis"], "algo.rollout_correction_upper": [0],
     "algo.rollout_correction_lower": [-1], "algo.off_policy": ["on"], "algo.behav_weight_cap": [0, -2],
     "algo.value_clip": [0, -0.5],
+    "algo.entropy_control": ["entropy_clip"], "algo.entropy_target": [0, -0.2, NAN], "algo.entropy_coef_delta": [0, -0.005],
+    "algo.entropy_coef_max": [-0.1, INF], "algo.clip_cov_ratio": [0, -2e-4, 1.5], "algo.clip_cov_lb": [NAN, -INF],
+    "algo.clip_cov_ub": [INF, NAN], "algo.kl_cov_ratio": [0, 2], "algo.kl_cov_coef": [0, -1],
     "model.dtype": ["fp32"], "model.attn_implementation": ["flash"], "model.lora.r": [-8],
     "model.lora.alpha": [0, -16], "model.lora.dropout": [1, 1.5, -0.1],
     "model.arch.hidden_size": [0], "model.arch.num_hidden_layers": [0], "model.arch.intermediate_size": [-1],
@@ -265,6 +278,9 @@ OUT_OF_RANGE = {
     "data.source": ["hub"], "data.eval_fraction": [0, 1, 1.5], "data.adapter": ["alpaca"], "data.chat": ["yes"],
     "data.train_size": [0], "data.eval_size": [0], "data.min_digits": [0], "data.max_digits": [0],
     "data.max_prompt_len": [0], "data.report_bad_rows": [-1],
+    "data.curriculum.window": [0, -64], "data.curriculum.raise_at": [-0.1, 1.5, NAN],
+    "data.curriculum.lower_below": [-0.3, 1.01, INF], "data.curriculum.start_level": [-1],
+    "data.curriculum.eval_levels": [-1, -0.5, NAN],
     "logger.mode": ["online_sync"], "logger.log_every": [0],
     "rollout.engine": ["sglang"], "rollout.prompts_per_step": [0, -4], "rollout.n": [0],
     "rollout.gen_prompts_per_step": [0], "rollout.max_new_tokens": [0], "rollout.overlong_buffer_len": [0],
@@ -275,7 +291,9 @@ OUT_OF_RANGE = {
     "rollout.async.rollout_ranks": [0],
     "env.tool_format": ["json"], "env.max_turns": [0], "env.max_observation_chars": [0], "env.tool_timeout_s": [0],
     "env.tool_memory_mb": [32], "env.tool_workers": [0],
-    "env.episode_workers": [0], "env.episode_timeout_s": [0, -1], "env.episode_memory_mb": [128],
+    "env.episode_workers": [0], "env.episodes_per_worker": [0], "env.episode_timeout_s": [0, -1], "env.episode_memory_mb": [128],
+    "env.openenv.step_timeout_s": [0, -30, NAN], "env.openenv.episode_timeout_s": [0, -1, INF],
+    "env.openenv.startup_timeout_s": [0, -120],
     "optim.lr": [0, -5e-5, NAN], "optim.weight_decay": [-0.01], "optim.betas": [1.0, -0.1], "optim.eps": [0],
     "optim.warmup_steps": [-1], "optim.scheduler": ["step"], "optim.max_grad_norm": [0, -1],
     "optim.max_skipped_steps": [0],

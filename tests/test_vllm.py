@@ -246,7 +246,7 @@ def test_multi_turn_rows_are_the_same_on_both_engines_and_keep_the_token_contrac
     from rlcli.rollout.agent import AgentRollout
 
     agent = AgentRollout(vllm.engine, tok, compose("recipe=tools/calculator_agent", f"model.path={path}", "model.name=hf",
-                                                   "rollout.engine=vllm", "env.episode_workers=4"))
+                                                   "rollout.engine=vllm", "env.episode_workers=1"))
     c = agent.generate(prompts, answers, 1, Sampling(48, 0.0))
     agent.pool.close()
     agent.gateway.shutdown()

@@ -9,12 +9,14 @@ schema is `AlgoConfig` (config.py). Attributes are imported on first use (rlcli.
 from rlcli.core.lazy import exports
 
 __all__ = [
-    "ADVANTAGES", "AGG_MODES", "KL_ESTIMATORS", "NEEDS_VALUES", "POLICY_LOSSES", "AdaptiveKLController",
-    "AdvantageInputs", "AlgoConfig", "FixedKLController", "build_kl_controller", "compute_advantages", "validate",
+    "ADVANTAGES", "AGG_MODES", "KL_ESTIMATORS", "NEEDS_VALUES", "POLICY_LOSSES", "AdaptiveEntropyController",
+    "AdaptiveKLController", "AdvantageInputs", "AlgoConfig", "FixedEntropyController", "FixedKLController",
+    "build_entropy_controller", "build_kl_controller", "compute_advantages", "validate",
 ]
 __getattr__ = exports(__name__, {
     "ADVANTAGES": "advantages", "NEEDS_VALUES": "advantages", "AdvantageInputs": "advantages",
     "compute_advantages": "advantages", "AlgoConfig": "config", "validate": "config", "AGG_MODES": "functional",
     "KL_ESTIMATORS": "functional", "AdaptiveKLController": "kl", "FixedKLController": "kl",
-    "build_kl_controller": "kl", "POLICY_LOSSES": "losses",
+    "build_kl_controller": "kl", "POLICY_LOSSES": "losses", "AdaptiveEntropyController": "entropy",
+    "FixedEntropyController": "entropy", "build_entropy_controller": "entropy",
 })

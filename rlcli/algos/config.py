@@ -6,7 +6,7 @@ Defaults here are plain PPO/GRPO defaults; the presets in conf/algo/*.yaml set t
 Papers cited by arXiv id: PPO 1707.06347, GAE 1506.02438, GRPO (DeepSeekMath) 2402.03300,
 DAPO 2503.14476, Dr.GRPO 2503.20783, VAPO 2504.05118, RLOO 2402.14740, REINFORCE++ 2501.03262,
 adaptive KL (Ziegler et al.) 1909.08593, dual clip (Ye et al.) 1912.09729, GSPO 2507.18071, CISPO
-(MiniMax-M1) 2506.13585. Fields marked "rlcli option" are variants that come from no paper: off by
+(MiniMax-M1) 2506.13585, adaptive entropy control (Skywork-OR1) 2505.22312, Clip-Cov / KL-Cov (Cui et al.) 2505.22617. Fields marked "rlcli option" are variants that come from no paper: off by
 default, documented in docs/algorithms.md#rlcli-options.
 """
 
@@ -18,10 +18,12 @@ from typing import Any
 from rlcli.core.names import (
     ADVANTAGES,
     AGG_MODES,
+    ENTROPY_CONTROLS,
     KL_ESTIMATORS,
     OFF_POLICY,
     POLICY_LOSSES,
     ROLLOUT_CORRECTION_LEVELS,
+    TOKEN_RATIO_LOSSES,
 )
 from rlcli.core.schema import ConfigError, check_ranges, rng
 
@@ -92,7 +94,34 @@ class AlgoConfig:
 
     # --- extra loss terms ----------------------------------------------------------------------
     entropy_coef: float = rng(0.0, ge=0)
-    """c_ent: entropy bonus weight (loss -= c_ent·H)."""
+    """c_ent: entropy bonus weight (loss -= c_ent·H); with entropy_control=adaptive, its starting value c_0."""
+
+    # --- entropy control (docs/algorithms.md#entropy-control) ----------------------------------
+    entropy_control: str = rng("none", choices=ENTROPY_CONTROLS)
+    """none (a fixed entropy_coef) | adaptive (Skywork-OR1, arXiv:2505.22312: the bonus coefficient moves by
+    entropy_coef_delta toward entropy_target) | clip_cov | kl_cov (Cui et al. 2025, arXiv:2505.22617: cut the gradient
+    of, or put a KL penalty on, the tokens of largest covariance between log-prob and advantage)."""
+    entropy_target: float | None = rng(None, gt=0, why="Skywork-OR1: 0.2; null = unset, required by adaptive")
+    """adaptive: the target token entropy (nats, of the temperature-scaled policy); the bonus is on while the measured
+    entropy is below it (Skywork-OR1: 0.2)."""
+    entropy_coef_delta: float = rng(0.005, gt=0)
+    """adaptive: Δ, the step of the coefficient after each training step, up below the target, down above it
+    (Skywork-OR1: 0.005)."""
+    entropy_coef_max: float = rng(0.1, ge=0)
+    """adaptive: the coefficient is clipped to [0, entropy_coef_max] (an rlcli bound that keeps a long stretch below
+    the target from growing the bonus without limit)."""
+    clip_cov_ratio: float = rng(2e-4, gt=0, le=1)
+    """clip_cov: fraction r of the loss tokens whose gradient is cut, drawn among those with clip_cov_lb ≤ cov ≤
+    clip_cov_ub (Cui et al.: 2e-4)."""
+    clip_cov_lb: float = rng(1.0, why="Cui et al.: 1; must be ≤ clip_cov_ub")
+    """clip_cov: lower bound ω_low of the covariance band tokens are drawn from (Cui et al.: 1)."""
+    clip_cov_ub: float = rng(5.0, why="Cui et al.: 5; must be ≥ clip_cov_lb")
+    """clip_cov: upper bound ω_high of the covariance band (Cui et al.: 5)."""
+    kl_cov_ratio: float = rng(2e-3, gt=0, le=1)
+    """kl_cov: fraction k of the loss tokens, those of largest covariance, that get the KL penalty (Cui et al.:
+    2e-3 for 7B models, 2e-4 for 32B)."""
+    kl_cov_coef: float = rng(1.0, gt=0)
+    """kl_cov: β of the penalty β·|logp − old_logp| on the selected tokens (Cui et al.: 1)."""
     nll_coef: float = rng(0.0, ge=0)
     """μ: VAPO positive-example LM loss weight, NLL over responses with acc = 1 (paper: 0.1)."""
 
@@ -178,12 +207,46 @@ def validate(cfg: Any) -> None:
             "but algo.kl_in_reward=false puts the KL in the loss with a fixed β: set algo.kl_in_reward=true "
             "or algo.kl_target=null"
         )
+    validate_entropy_control(cfg)
     upper, lower = cfg.rollout_correction_upper, cfg.rollout_correction_lower
     if lower is not None and upper is not None and not lower < upper:
         raise ConfigError(
             f"algo.rollout_correction_lower={lower} must be below algo.rollout_correction_upper={upper} (weights "
             "outside [lower, upper] are zeroed), or null"
         )
+
+
+ADAPTIVE_ONLY = ("entropy_target", "entropy_coef_delta", "entropy_coef_max")
+CLIP_COV_ONLY = ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub")
+KL_COV_ONLY = ("kl_cov_ratio", "kl_cov_coef")
+
+
+def validate_entropy_control(cfg: Any) -> None:
+    """algo.entropy_control against the knobs it reads and the policy loss it edits (ConfigError, one line each)."""
+    mode, defaults = cfg.entropy_control, AlgoConfig()
+    for only, owner in ((ADAPTIVE_ONLY, "adaptive"), (CLIP_COV_ONLY, "clip_cov"), (KL_COV_ONLY, "kl_cov")):
+        changed = [k for k in only if getattr(cfg, k) != getattr(defaults, k)]
+        if changed and mode != owner:
+            raise ConfigError(
+                f"algo.{changed[0]}={getattr(cfg, changed[0])} is read only by algo.entropy_control={owner}, but "
+                f"algo.entropy_control={mode}: set algo.entropy_control={owner} or drop algo.{changed[0]}"
+            )
+    if mode == "adaptive" and cfg.entropy_target is None:
+        raise ConfigError("algo.entropy_control=adaptive needs algo.entropy_target, the entropy (nats) it steers "
+                          "toward: set it (Skywork-OR1: algo.entropy_target=0.2)")
+    if mode == "adaptive" and cfg.entropy_coef > cfg.entropy_coef_max:
+        raise ConfigError(f"algo.entropy_coef={cfg.entropy_coef} starts above algo.entropy_coef_max="
+                          f"{cfg.entropy_coef_max}, the adaptive coefficient's clip: raise algo.entropy_coef_max or "
+                          "lower algo.entropy_coef")
+    if mode in ("clip_cov", "kl_cov") and cfg.policy_loss not in TOKEN_RATIO_LOSSES:
+        raise ConfigError(
+            f"algo.entropy_control={mode} cuts or penalises single tokens, but algo.policy_loss={cfg.policy_loss} "
+            f"has one ratio per sequence: use algo.policy_loss={' or '.join(sorted(TOKEN_RATIO_LOSSES))}, or "
+            "algo.entropy_control=none|adaptive"
+        )
+    if mode == "clip_cov" and not cfg.clip_cov_lb <= cfg.clip_cov_ub:
+        raise ConfigError(f"algo.clip_cov_lb={cfg.clip_cov_lb} must be <= algo.clip_cov_ub={cfg.clip_cov_ub}: the "
+                          "tokens are drawn from the covariance band [lb, ub] (Cui et al.: 1 and 5)")
 
 
 @dataclass

@@ -793,6 +793,89 @@ def rollout_correction_weights(
     return weights, metrics
 
 
+# ---------------------------------------------------------------------------------------------------
+# Entropy control by covariance (Cui et al. 2025, arXiv:2505.22617, §4 "Clip-Cov" and "KL-Cov")
+# ---------------------------------------------------------------------------------------------------
+
+
+def token_covariance(logp: Tensor, advantages: Tensor, mask: Tensor) -> Tensor:
+    """The per-token centred covariance term of Cui et al. 2025 (arXiv:2505.22617, eq. for Cov(y_i)).
+
+    Shapes: logp, advantages, mask [N, T] -> cov [N, T], detached, 0 at masked positions.
+        cov_i = (logp_i − mean(logp)) · (A_i − mean(A)),  both means over the valid tokens of the batch given.
+    The batch's mean of cov_i is Cov(logp, A), whose sign drives the entropy change (their Lemma/eq. 7): a
+    large positive cov_i is a confident token with a high advantage, the kind whose update lowers entropy.
+    """
+    with torch.no_grad():
+        m = _valid(mask)
+        lp, adv = logp.detach(), advantages.detach()
+        cov = (lp - masked_mean(lp, m)) * (adv - masked_mean(adv, m))
+        return torch.where(m, cov, torch.zeros_like(cov))
+
+
+def cov_select_count(n_tokens: int, ratio: float) -> int:
+    """How many tokens Clip-Cov / KL-Cov pick from `n_tokens` valid ones: max(1, floor(ratio·n)), 0 if there
+    are none. The paper's r·N rounded down, floored at one token (as its reference code): at the paper's ratios
+    (2e-4, 2e-3) a batch under 500 tokens would otherwise never select anything."""
+    return 0 if n_tokens <= 0 else max(1, int(ratio * n_tokens))
+
+
+def clip_cov_select(cov: Tensor, mask: Tensor, ratio: float, lb: float, ub: float,
+                    generator: torch.Generator | None = None) -> Tensor:
+    """Clip-Cov's token set I_clip (arXiv:2505.22617 §4): `cov_select_count(#valid, ratio)` tokens drawn uniformly
+    without replacement among the valid tokens with lb ≤ cov_i ≤ ub (all of them if fewer qualify).
+
+    Shapes: cov, mask [N, T] -> selected [N, T] bool (never a masked token). The draw is
+    torch.randperm(#candidates, generator=generator) on the CPU: a seeded generator makes it reproducible.
+    """
+    m = _valid(mask)
+    candidates = (m & (cov >= lb) & (cov <= ub)).flatten().nonzero().squeeze(-1)  # flat indices, row-major
+    k = min(cov_select_count(int(m.sum()), ratio), len(candidates))
+    picked = candidates[torch.randperm(len(candidates), generator=generator)[:k].to(candidates.device)]
+    selected = torch.zeros(cov.numel(), dtype=torch.bool, device=cov.device)
+    selected[picked] = True
+    return selected.view_as(cov)
+
+
+def kl_cov_select(cov: Tensor, mask: Tensor, ratio: float) -> Tensor:
+    """KL-Cov's token set I_KL (arXiv:2505.22617 §4): the `cov_select_count(#valid, ratio)` valid tokens of largest
+    cov_i (ties: the first in row-major order).
+
+    Shapes: cov, mask [N, T] -> selected [N, T] bool (never a masked token).
+    """
+    m = _valid(mask)
+    k = cov_select_count(int(m.sum()), ratio)
+    ranked = torch.where(m, cov, torch.full_like(cov, -math.inf)).flatten()
+    order = torch.sort(ranked, descending=True, stable=True).indices[:k]
+    selected = torch.zeros(cov.numel(), dtype=torch.bool, device=cov.device)
+    selected[order] = True
+    return selected.view_as(cov)
+
+
+def cov_controlled_loss(loss_mat: Tensor, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
+                        mode: str, ratio: float, lb: float = 1.0, ub: float = 5.0, kl_coef: float = 1.0,
+                        generator: torch.Generator | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """A policy loss's per-token matrix after Clip-Cov or KL-Cov (arXiv:2505.22617 §4), before aggregation.
+
+    Shapes: loss_mat, logp, old_logp, advantages, mask [N, T] -> (loss_mat [N, T], metrics).
+        mode="clip_cov": ℓ_i ← 0 on I_clip (those tokens' policy gradient is cut; they still count in the
+                         aggregation's normalizer, as in the paper's reference code)
+        mode="kl_cov":   ℓ_i ← ℓ_i + kl_coef·|logp_i − old_logp_i| on I_KL (the paper's β·|·|, its code's
+                         `ppo_kl_coef * abs(log_prob - old_log_prob)`)
+    metrics: cov_selected_frac (selected / valid tokens), cov_mean (the batch's Cov(logp, A), mean of cov_i).
+    """
+    m = _valid(mask)
+    cov = token_covariance(logp, advantages, m)
+    if mode == "clip_cov":
+        selected = clip_cov_select(cov, m, ratio, lb, ub, generator)
+        loss_mat = torch.where(selected, torch.zeros_like(loss_mat), loss_mat)
+    elif mode == "kl_cov":
+        selected = kl_cov_select(cov, m, ratio)
+        loss_mat = loss_mat + torch.where(selected, kl_coef * (logp - old_logp).abs(), torch.zeros_like(loss_mat))
+    else:
+        raise ValueError(f"unknown covariance entropy control {mode!r}; valid: clip_cov, kl_cov")
+    return loss_mat, {"cov_selected_frac": masked_mean(selected.to(logp.dtype), m).detach(),
+                      "cov_mean": masked_mean(cov, m)}
 
 
 def aggregation_counts(mask: Tensor) -> tuple[Tensor, Tensor]:

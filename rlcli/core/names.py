@@ -41,6 +41,12 @@ GROUP_ESTIMATORS = frozenset(
 """Estimators that compare the responses of one prompt: they need rollout.n > 1 responses per prompt."""
 POLICY_LOSSES = Names("policy loss", ("clipped", "gspo", "cispo"))
 KL_ESTIMATORS = Names("KL estimator", ("k1", "k2", "k3"))
+ENTROPY_CONTROLS = ("none", "adaptive", "clip_cov", "kl_cov")
+"""algo.entropy_control (docs/algorithms.md#entropy-control): a fixed entropy bonus | Skywork-OR1's adaptive bonus |
+Clip-Cov | KL-Cov (Cui et al. 2025)."""
+TOKEN_RATIO_LOSSES = frozenset({"clipped", "cispo"})
+"""Policy losses with a per-token ratio, whose per-token loss Clip-Cov and KL-Cov can cut or penalise (GSPO's ratio is
+one per sequence)."""
 AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_sum_const")
 """Loss aggregation modes (docs/algorithms.md, "Policy loss and aggregation"), see `functional.aggregate`."""
 ROLLOUT_CORRECTION_LEVELS = ("token", "sequence")

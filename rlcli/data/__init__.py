@@ -3,7 +3,8 @@
 `load_split` / `load_examples` give the examples `{"prompt", "answer"}` of one split: the embedded
 arith task (data.source=arith), a local file read through a schema adapter and a prompt template
 (data.source=file; rlcli.data.loaders, docs/data.md), or reasoning-gym's procedural tasks (data.source=reasoning_gym;
-rlcli.data.reasoning_gym, docs/environments.md).
+rlcli.data.reasoning_gym, docs/environments.md). `prompt_stream` walks the training prompts; with data.curriculum
+(rlcli.data.curriculum) a `CurriculumStream` draws them at the tasks' current levels.
 """
 
 from __future__ import annotations
@@ -94,3 +95,37 @@ class PromptStream:
         """k prompts for this rank (the global draw is k * world)."""
         draw = [self._next_index() for _ in range(k * self.world)]
         return [self.examples[i] for i in draw[self.rank * k : (self.rank + 1) * k]]
+
+
+class CurriculumStream(PromptStream):
+    """The prompt stream of data.curriculum: a PromptStream over slots (task entry, row), walked exactly as a prompt
+    list is (seeded, epoch-shuffled, a slice per rank), each slot read when drawn from its task's rows at the task's
+    current level (`pools(entry, level)`, rlcli.data.loaders.LevelPools; the row modulo the rows that level kept).
+    A position in the stream and the levels decide the prompt: a resumed run draws what the straight run drew."""
+
+    def __init__(self, pools: Any, curriculum: Any, seed: int, shuffle: bool, rank: int, world: int):
+        slots = [(i, row) for i, n in enumerate(pools.sizes) for row in range(n)]
+        random.Random(f"curriculum/{seed}").shuffle(slots)  # the tasks mixed even with data.shuffle=false
+        super().__init__(slots, seed, shuffle, rank, world)
+        self.pools, self.curriculum = pools, curriculum
+
+    def take(self, k: int) -> list[dict[str, str]]:
+        out = []
+        for i, row in super().take(k):  # the slots drawn
+            rows = self.pools(i, self.curriculum.levels[self.pools.names[i]])
+            out.append(rows[row % len(rows)])
+        return out
+
+
+def prompt_stream(data_cfg: Any, examples: list[dict[str, str]], seed: int, rank: int, world: int,
+                  tokenizer: Any = None) -> tuple[PromptStream, Any]:
+    """The run's training prompt stream over `examples` (load_split's), and its curriculum (None without
+    data.curriculum.enabled; with it, the stream draws at the curriculum's levels and `examples` are not read)."""
+    if not data_cfg.curriculum.enabled:
+        return PromptStream(examples, seed, data_cfg.shuffle, rank, world), None
+    from rlcli.data.loaders import LevelPools
+    from rlcli.data.reasoning_gym import curriculum_for
+
+    curriculum = curriculum_for(data_cfg)
+    pools = LevelPools(data_cfg, seed, tokenizer)
+    return CurriculumStream(pools, curriculum, seed, data_cfg.shuffle, rank, world), curriculum

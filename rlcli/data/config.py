@@ -7,6 +7,8 @@ from typing import Any
 
 from rlcli.core.schema import ConfigError, check_ranges, rng
 from rlcli.data.adapters import ADAPTERS
+from rlcli.data.curriculum import CurriculumConfig
+from rlcli.data.curriculum import check as check_curriculum
 from rlcli.data.reasoning_gym import ReasoningGymConfig
 
 SOURCES = ("arith", "file", "reasoning_gym")
@@ -56,6 +58,8 @@ class DataConfig:
     """How many skipped rows to report by row number and reason (all are counted)."""
     reasoning_gym: ReasoningGymConfig = field(default_factory=ReasoningGymConfig)
     """source=reasoning_gym: its tasks (rlcli/data/reasoning_gym.py)."""
+    curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
+    """Task levels that follow the recent accuracy, and the levels of the held-out set (rlcli/data/curriculum.py)."""
 
 
 def validate(data_cfg: Any) -> None:
@@ -73,10 +77,11 @@ def validate(data_cfg: Any) -> None:
                 raise ConfigError(
                     f"data.{key}=null: the {data_cfg.source} task generates a fixed number of prompts; give one"
                 )
+    names: list[str] = []
     if data_cfg.source == "reasoning_gym":
         from rlcli.data.reasoning_gym import parse_tasks
 
-        parse_tasks(data_cfg.reasoning_gym.tasks)
+        names = [t.name for t in parse_tasks(data_cfg.reasoning_gym.tasks)]
     elif data_cfg.reasoning_gym.tasks:
         raise ConfigError(f"data.reasoning_gym.tasks is set but data.source={data_cfg.source}: use "
                           "data=reasoning_gym, or drop the tasks")
@@ -87,4 +92,5 @@ def validate(data_cfg: Any) -> None:
         raise ConfigError(
             "data.source=file needs data.train_path (a .jsonl, .parquet or datasets directory)"
         )
+    check_curriculum(data_cfg.curriculum, data_cfg.source, names)
     check_template(data_cfg.template)

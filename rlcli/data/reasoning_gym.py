@@ -17,6 +17,11 @@ size=, seed=, **config)` gives entries `{"question", "answer", "metadata"}` and 
 - The answer column is the ground-truth payload the reward `reasoning_gym` reads (rlcli/rewards/reasoning_gym.py):
   JSON `{"task": name, "config": config, "entry": entry}`; `task_of` reads the task back (per-task metrics).
 
+With data.curriculum (rlcli/data/curriculum.py) each task moves through the levels of reasoning-gym's own curriculum
+of it: the rows of a task at level L are generated from `level_config(task, L)` (the curriculum's configuration at
+global level L over the task's config). The held-out rows are then generated at data.curriculum.eval_levels (seed
+eval_seed(seed)), and it is the training rows of each level that drop the held-out questions (`level_rows`).
+
 reasoning_gym is imported only when rows are generated or the tasks are checked (about a second).
 """
 
@@ -202,10 +207,12 @@ def generate_eval(tasks: list[Task], size: int, train_size: int, seed: int) -> t
 
 
 def split_rows(data_cfg: Any, split: str, seed: int) -> tuple[list[tuple[str, str]], int, str]:
-    """(question, ground truth) rows of `split`, how many held-out rows were dropped as training questions, and what
+    """(question, ground truth) rows of `split`, how many rows were dropped as the other split's questions, and what
     made them (the load report's source); rlcli.data.loaders.load_reasoning_gym_split renders them."""
     tasks = parse_tasks(data_cfg.reasoning_gym.tasks)
     check_tasks(tasks)
+    if data_cfg.curriculum.enabled:
+        return curriculum_split_rows(data_cfg, tasks, split, seed)
     if split == "train":
         rows, dropped = generate_train(tasks, data_cfg.train_size, seed), 0
     elif split == "eval":
@@ -222,7 +229,143 @@ def check_inputs(data_cfg: Any, readable: Any = None, unreadable: str = "") -> N
     the first generated questions passes it, else ConfigError(`unreadable`)."""
     tasks = parse_tasks(data_cfg.reasoning_gym.tasks)
     check_tasks(tasks)
+    if data_cfg.curriculum.enabled:
+        check_curriculum(tasks, data_cfg.curriculum)
     if readable is not None:
         questions = [q for q, _ in generate_train(tasks, min(data_cfg.train_size, 100), 0)]
         if not any(readable(q) for q in questions):
             raise ConfigError(f"{KEY}: {unreadable} (its first prompt: {questions[0][:80]!r})")
+
+
+# ---------------------------------------------------------------------------- data.curriculum: reasoning-gym's levels
+def _curriculum(name: str) -> Any:
+    """A fresh reasoning-gym curriculum of task `name` (it holds its levels: never shared)."""
+    from reasoning_gym.factory import create_curriculum
+
+    return create_curriculum(name)
+
+
+def curriculum_fields(curriculum: Any) -> list[str]:
+    """The config fields a reasoning-gym curriculum sets: each range attribute's lower and upper field, each scalar
+    attribute's field."""
+    out: list[str] = []
+    for attr in curriculum.attributes.values():
+        out += [attr.lower_field_name, attr.upper_field_name] if hasattr(attr, "lower_field_name") else [attr.field_name]
+    return out
+
+
+def top_level(name: str) -> int:
+    """Task `name`'s highest level: its curriculum's longest attribute list, less one (reasoning-gym's
+    set_global_level holds a shorter attribute at its own highest level)."""
+    return max((len(a.levels) for a in _curriculum(name).attributes.values()), default=1) - 1
+
+
+def level_config(task: Task, level: int) -> dict[str, Any]:
+    """Task's create_dataset arguments at curriculum `level`: reasoning-gym's own `set_global_level(level)` then
+    `generate_configuration()` (a range attribute spans its levels 0..level, reasoning-gym's default context), over
+    the task's config (which may not set the curriculum's fields: check_curriculum)."""
+    curriculum = _curriculum(task.name)
+    curriculum.set_global_level(level)
+    made = curriculum.generate_configuration(defaults=dict(task.config))
+    return {**task.config, **{f: getattr(made, f) for f in curriculum_fields(curriculum)}}
+
+
+def tasks_at(tasks: list[Task], levels: dict[str, int]) -> list[Task]:
+    """The tasks with their config at their level (`levels`: a level per task name)."""
+    return [Task(t.name, t.weight, level_config(t, levels[t.name])) for t in tasks]
+
+
+@functools.lru_cache(maxsize=8)  # every load and every rank checks the same tasks
+def _check_curriculum(tasks_json: str, eval_levels_json: str) -> None:
+    rg = _import()
+    from reasoning_gym.factory import CURRICULA
+
+    tasks = [Task(t["name"], t["weight"], t["config"]) for t in json.loads(tasks_json)]
+    for i, t in enumerate(tasks):
+        if t.name not in CURRICULA:
+            raise ConfigError(f"{KEY}[{i}]: reasoning-gym has no curriculum for {t.name!r}, and data.curriculum.enabled"
+                              f"=true needs one for every task: drop the task, or the curriculum")
+        set_here = sorted(set(t.config) & set(curriculum_fields(_curriculum(t.name))))
+        if set_here:
+            raise ConfigError(f"{KEY}[{i}].config.{set_here[0]} is set by {t.name}'s curriculum at each level "
+                              "(data.curriculum.enabled=true): drop it")
+        for level in range(top_level(t.name) + 1):
+            try:
+                rg.create_dataset(t.name, size=1, seed=0, **level_config(t, level))
+            except Exception as e:  # reasoning-gym's own curriculum can make a config its dataset refuses
+                raise ConfigError(f"{KEY}[{i}]: reasoning-gym's {t.name} curriculum makes at level {level} a config "
+                                  f"its dataset rejects ({type(e).__name__}: {e}); drop the task, or the curriculum") from None
+    from rlcli.data.curriculum import levels
+
+    levels(json.loads(eval_levels_json), 0, {t.name: top_level(t.name) for t in tasks})
+
+
+def check_curriculum(tasks: list[Task], cfg: Any) -> None:
+    """With data.curriculum: every task has a reasoning-gym curriculum, its config leaves the curriculum's fields
+    alone, the configuration of each level builds the dataset, and no eval level is above its task's highest; else
+    a one-line ConfigError naming the task. Imports reasoning-gym."""
+    from rlcli.data.curriculum import plain
+
+    _check_curriculum(_tasks_json(tasks), json.dumps(plain(cfg.eval_levels), sort_keys=True))
+
+
+def tops(tasks: list[Task]) -> dict[str, int]:
+    """Each task name's highest level."""
+    return {t.name: top_level(t.name) for t in tasks}
+
+
+def split_levels(cfg: Any, tasks: list[Task], split: str) -> dict[str, int]:
+    """Each task's level in `split`: training starts at data.curriculum.start_level, the held-out rows are at
+    data.curriculum.eval_levels (null: the start level)."""
+    from rlcli.data.curriculum import levels
+
+    spec = cfg.eval_levels if split == "eval" else None
+    return levels(spec, cfg.start_level, tops(tasks))
+
+
+def _eval_rows_at(data_cfg: Any, tasks: list[Task], seed: int) -> tuple[tuple[str, str], ...]:
+    at = tasks_at(tasks, split_levels(data_cfg.curriculum, tasks, "eval"))
+    return _generate(_tasks_json(at), data_cfg.eval_size, eval_seed(seed))
+
+
+def level_rows(data_cfg: Any, tasks: list[Task], i: int, level: int, size: int, seed: int
+               ) -> tuple[list[tuple[str, str]], int]:
+    """`size` training rows of task `tasks[i]` at curriculum `level` (seed `seed`) without the held-out questions
+    (data.curriculum.eval_levels, seed eval_seed(seed)). -> (rows, how many were held-out questions)"""
+    held_out = {q for q, _ in _eval_rows_at(data_cfg, tasks, seed)}
+    rows = _generate(_tasks_json(tasks_at([tasks[i]], {tasks[i].name: level})), size, seed)
+    kept = [r for r in rows if r[0] not in held_out]
+    return kept, len(rows) - len(kept)
+
+
+def curriculum_split_rows(data_cfg: Any, tasks: list[Task], split: str, seed: int
+                          ) -> tuple[list[tuple[str, str]], int, str]:
+    """split_rows with data.curriculum: the held-out rows at the eval levels; the training rows at the start levels
+    (each task's share, its held-out questions dropped, all shuffled together), as the run's first draws see them."""
+    check_curriculum(tasks, data_cfg.curriculum)
+    at = split_levels(data_cfg.curriculum, tasks, split)
+    mix = ", ".join(f"{t.name} x{t.weight:g} at level {at[t.name]}" for t in tasks)
+    if split == "eval":
+        return list(_eval_rows_at(data_cfg, tasks, seed)), 0, f"reasoning-gym ({mix}; seed {eval_seed(seed)})"
+    if split != "train":
+        raise ValueError(f"split={split!r}; valid splits: ('train', 'eval')")
+    rows, dropped = [], 0
+    for i, (t, n) in enumerate(zip(tasks, shares(data_cfg.train_size, [t.weight for t in tasks]))):
+        kept, held = level_rows(data_cfg, tasks, i, at[t.name], n, seed) if n else ([], 0)
+        rows, dropped = rows + kept, dropped + held
+    random.Random(f"reasoning_gym/{seed}").shuffle(rows)
+    return rows, dropped, f"reasoning-gym ({mix}; seed {seed})"
+
+
+def curriculum_for(data_cfg: Any) -> Any:
+    """The run's Curriculum (rlcli.data.curriculum) over the tasks' reasoning-gym levels, at the start level."""
+    from rlcli.data.curriculum import Curriculum
+
+    tasks = parse_tasks(data_cfg.reasoning_gym.tasks)
+    check_curriculum(tasks, data_cfg.curriculum)
+    return Curriculum(tops(tasks), data_cfg.curriculum)
+
+
+def episodes(batches: list[Any]) -> list[tuple[str | None, float]]:
+    """(task, acc) of every trajectory of `batches` (rollout batches), in order: what a curriculum observes."""
+    return [(task_of(a), acc) for b in batches for a, acc in zip(b.answers, b.acc.tolist())]

@@ -12,14 +12,16 @@ answers; `row` is the data row ({"prompt", "answer"}, as environments receive it
 optionally "acc" (1 = solved; default: reward >= 1, a full score) and the numbers named in env.agent_metrics (logged
 as agent/<name>).
 
-Agents run here, in worker processes of rlcli.rewards.pool (a clock and a memory cap per episode; it isolates
-nothing: an agent is trusted code of the user's), one episode at a time per worker. This module imports no torch.
+Agents run here, in worker processes of rlcli.rewards.pool (a clock and a memory cap; it isolates nothing: an agent
+is trusted code of the user's), each worker running a chunk of episodes at once, a thread each, so that many
+requests wait at the gateway together and are answered in one batch. This module imports no torch.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 MODEL_NAME = "policy"
@@ -27,7 +29,7 @@ MODEL_NAME = "policy"
 API_KEY = "rlcli"
 """The gateway asks for no key; the openai client needs one."""
 
-_AGENT: list[Any] = []  # in a worker: [the agent function, env.agent_metrics]
+_AGENT: list[Any] = []  # in a worker: [the agent function, env.agent_metrics, one HTTP client for every episode]
 
 
 def load_agent(path: str) -> Callable[..., Any]:
@@ -40,11 +42,14 @@ def load_agent(path: str) -> Callable[..., Any]:
     return fn
 
 
-def setup_worker(path: str, metrics: list[str]) -> None:
-    """Once per worker: import the agent and the openai client (their import time is not an episode's)."""
+def setup_worker(path: str, metrics: list[str], timeout_s: float) -> None:
+    """Once per worker: import the agent and the openai client (their import time is not an episode's), and open the
+    HTTP connection pool the episodes' clients share (a client of its own would cost each episode its set-up)."""
+    import httpx
     import openai  # noqa: F401
 
-    _AGENT[:] = [load_agent(path), list(metrics)]
+    http = httpx.Client(timeout=timeout_s, limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
+    _AGENT[:] = [load_agent(path), list(metrics), http]
 
 
 def outcome(value: Any, metrics: list[str]) -> dict[str, float]:
@@ -65,12 +70,34 @@ def outcome(value: Any, metrics: list[str]) -> dict[str, float]:
     return result
 
 
-def run_episode(item: tuple[str, dict[str, Any], float]) -> dict[str, float]:
-    """In a worker: one episode -> outcome(...). item = (the episode's base URL, the data row, the client's timeout
-    per request in seconds)."""
+def run_episode(base_url: str, row: dict[str, Any]) -> dict[str, float]:
+    """One episode -> outcome(...): the agent with a client of the episode's base URL."""
     from openai import OpenAI
 
-    base_url, row, timeout_s = item
-    fn, metrics = _AGENT
-    with OpenAI(base_url=base_url, api_key=API_KEY, max_retries=0, timeout=timeout_s) as client:
-        return outcome(fn(client, dict(row)), metrics)
+    fn, metrics, http = _AGENT
+    return outcome(fn(OpenAI(base_url=base_url, api_key=API_KEY, max_retries=0, http_client=http), dict(row)), metrics)
+
+
+def run_episodes(item: tuple[list[tuple[str, dict[str, Any]]], float]) -> list[tuple[str, Any]]:
+    """In a worker: a chunk of episodes (base URL, row) at once, a thread each, within `timeout_s` seconds together.
+    -> per episode ("ok", outcome) | ("error", why) | ("timeout", why). A thread still running at the deadline cannot
+    be stopped: the pool then replaces this worker once the reply is back."""
+    from rlcli.rewards.functions import describe_args
+    from rlcli.rewards.pool import retire_after_reply
+
+    episodes, timeout_s = item
+    threads = ThreadPoolExecutor(len(episodes), thread_name_prefix="rlcli-episode")
+    futures = [threads.submit(run_episode, url, row) for url, row in episodes]
+    _, running = wait(futures, timeout=timeout_s)
+    out: list[tuple[str, Any]] = []
+    for f in futures:
+        if f in running:
+            out.append(("timeout", f"interrupted after {timeout_s:g} s"))
+        elif (e := f.exception()) is not None:
+            out.append(("error", f"{type(e).__name__}: {describe_args(e)}"))
+        else:
+            out.append(("ok", f.result()))
+    threads.shutdown(wait=False, cancel_futures=True)
+    if running:
+        retire_after_reply()
+    return out

@@ -28,10 +28,12 @@ from omegaconf import OmegaConf
 from torch import Tensor
 
 from rlcli import engine as eng
+from rlcli.algos.entropy import build_entropy_controller
 from rlcli.algos.functional import (
     aggregate,
     aggregation_counts,
     behaviour_weights,
+    cov_controlled_loss,
     kl_estimate,
     positive_example_nll,
     rollout_correction_weights,
@@ -122,6 +124,9 @@ class Learner:
             self.ref = model if cfg.model.lora.r else self.frozen_copy(
                 model, lambda: load_policy(trained_model(cfg), model_path)[0])
         self.teacher = self.load_teacher() if cfg.distill.teacher else None
+        # α of the entropy bonus (algo.entropy_control=adaptive moves it after each step); LoopState carries this object
+        self.entropy_ctl = build_entropy_controller(a)
+        self.cov_gen = torch.Generator().manual_seed(cfg.seed)  # Clip-Cov's draws; reseeded by every update
         self.actor = eng.Engine(model, cfg.hw, cfg.optim, units.optimizer_steps)
         # The critic exists only for estimators that need values; VAPO pretrains it first.
         self.critic: eng.Engine | None = None
@@ -256,6 +261,10 @@ class Learner:
         `_max` ones: maxima)."""
         a = self.cfg.algo
         gen = torch.Generator().manual_seed(self.cfg.seed * 7919 + self.actor.ds.global_steps)
+        # Clip-Cov's draws: their own stream, a function of (seed, optimizer step, rank), so a resume repeats them
+        self.cov_gen = torch.Generator().manual_seed((self.cfg.seed * 1_000_003 + self.actor.ds.global_steps) * 4099
+                                                     + eng.rank() + 1)
+        alpha = self.entropy_ctl.value  # this step's α (adaptive: set by the entropy of the steps before)
         groups = batch.groups
         engines = {"actor": self.actor if phase.trains_actor else None, "critic": self.critic}
         sums: dict[str, float] = defaultdict(float)
@@ -284,7 +293,7 @@ class Learner:
                     real += float(prompts.sum() + mbi.token_mask.sum())  # each shared prompt once
                     m: dict[str, float] = {}
                     if engines["actor"] is not None:
-                        loss, m = self.micro_loss(mbi, norms)
+                        loss, m = self.micro_loss(mbi, norms, alpha)
                         self.actor.backward(loss, last=last)
                     if self.critic is not None:
                         vf_loss, cm = self.micro_value_loss(mbi, norms)
@@ -309,6 +318,9 @@ class Learner:
         metrics["perf/padding_frac"] = 1.0 - real_all / max(slots_all, 1.0)
         metrics["perf/micro_batches"] = micro_all / self.units.world / max(n_updates, 1)
         metrics.update({f"{name}/lr": engine.lr() for name, engine in engines.items() if engine is not None})
+        if phase.trains_actor and self.entropy_ctl.adaptive:  # Skywork-OR1: α follows the measured entropy
+            metrics["actor/entropy_coef"] = alpha
+            self.entropy_ctl.update(metrics["actor/entropy"])
         return metrics
 
     def normalizers(self, mb: RolloutBatch) -> dict[str, float]:
@@ -322,9 +334,12 @@ class Learner:
             "num_correct_tokens": max(tot[2].item(), 1.0),
         }
 
-    def micro_loss(self, mb: RolloutBatch, norms: dict[str, float]) -> tuple[Tensor, dict[str, float]]:
+    def micro_loss(self, mb: RolloutBatch, norms: dict[str, float], alpha: float | None = None
+                   ) -> tuple[Tensor, dict[str, float]]:
         """The loss of one micro-batch, already divided by the mini-batch normalizers, so summing
-        micro-batch gradients over micro-batches and ranks gives the mini-batch gradient."""
+        micro-batch gradients over micro-batches and ranks gives the mini-batch gradient. `alpha`: the entropy
+        bonus coefficient (default: the controller's)."""
+        alpha = self.entropy_ctl.value if alpha is None else alpha
         a, d, t = self.cfg.algo, self.cfg.distill, self.cfg.rollout.temperature
         mask = mb.loss_mask.to(self.device)  # [n, T]
         inputs = (mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.token_mask)
@@ -332,7 +347,7 @@ class Learner:
         with autocast(self.cfg.hw):
             teacher = response_log_softmax(self.teacher, *inputs, t, self.share) if full_kl else None  # [n, T, V]
             logp, entropy, kl_full = response_outputs(
-                self.actor.module, *inputs, t, with_entropy=True, entropy_grad=a.entropy_coef != 0, chunk=self.chunk,
+                self.actor.module, *inputs, t, with_entropy=True, entropy_grad=alpha != 0, chunk=self.chunk,
                 kl_to=teacher, share=self.share,
             )  # [n, T] each, fp32
         old = logp.detach()  # on-policy: the ratio is exactly 1 and its gradient is ∇log π
@@ -342,6 +357,13 @@ class Learner:
             recorded = mb.old_logp.to(self.device)
             old = recorded if not self.units.on_policy else torch.where(mb.stale[:, None].to(self.device), recorded, old)
         loss_mat, pm = POLICY_LOSSES[a.policy_loss](logp, old, mb.advantages.to(self.device), mask, a)  # [n, T]
+        if a.entropy_control in ("clip_cov", "kl_cov"):  # Cui et al. 2025: the micro-batch's tokens are the population
+            loss_mat, cm = cov_controlled_loss(
+                loss_mat, logp, old, mb.advantages.to(self.device), mask, mode=a.entropy_control,
+                ratio=a.clip_cov_ratio if a.entropy_control == "clip_cov" else a.kl_cov_ratio, lb=a.clip_cov_lb,
+                ub=a.clip_cov_ub, kl_coef=a.kl_cov_coef, generator=self.cov_gen,
+            )
+            pm = pm | cm
         share = mask.sum().item() / norms["num_tokens"]  # this micro-batch's share of mini-batch tokens
         metrics = {f"actor/{k}": float(v) * share for k, v in pm.items()}
         if mb.rollout_logp is not None:  # the sampler/trainer gap on the sampled tokens
@@ -368,8 +390,8 @@ class Learner:
         loss = pg_loss = aggregate(loss_mat, mask, a.loss_agg, **agg)
         metrics["actor/pg_loss"] = pg_loss.item()
         metrics["actor/entropy"] = aggregate(entropy, mask, "token_mean", num_tokens=norms["num_tokens"]).item()
-        if a.entropy_coef:
-            loss = loss - a.entropy_coef * aggregate(entropy, mask, a.loss_agg, **agg)
+        if alpha:
+            loss = loss - alpha * aggregate(entropy, mask, a.loss_agg, **agg)
         if self.ref is not None and not a.kl_in_reward:
             kl_loss = aggregate(kl_estimate(logp, mb.ref_logp.to(self.device), a.kl_estimator), mask, a.loss_agg, **agg)
             loss = loss + a.kl_coef * kl_loss  # in the loss β is fixed (algo.kl_target needs kl_in_reward)

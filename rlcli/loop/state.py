@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -13,6 +14,8 @@ import torch
 from rlcli.core.schema import ConfigError
 from rlcli.data import PromptStream
 from rlcli.rollout.sampler import GroupSampler
+
+log = logging.getLogger(__name__)
 
 HEADLINE = ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "reward/mean", "acc/mean")
 
@@ -59,6 +62,12 @@ class LoopState:
     """Training steps in a row whose advantages were all zero (every group's rewards equal): nothing to learn."""
     no_signal_steps: int = 0
     """Training steps of the run whose advantages were all zero."""
+    entropy_ctl: Any = None
+    """The entropy bonus coefficient α and its controller (rlcli.algos.entropy: fixed, or adaptive: Skywork-OR1), the
+    learner's own object; None only in states built without a learner."""
+    curriculum: Any = None
+    """data.curriculum: each task's level and window of recent accuracies (rlcli.data.curriculum.Curriculum; the
+    prompt stream draws at its levels); None without one."""
 
     def request(self, n: int, version: int) -> Any:
         """The next generation batch, rlcli.rollout.remote.Request: `n` prompts from this rank's stream and their
@@ -99,9 +108,13 @@ class LoopState:
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore everything; the RNGs last (building the trainer drew from them too)."""
+        """Restore everything; the RNGs last (building the trainer drew from them too). A key of ADDED_LATER that the
+        checkpoint lacks leaves its field as the run built it."""
         for f in fields(self):
             key, _, load = CARRIED.get(f.name, (f.name, None, None))
+            if key not in state and key in ADDED_LATER:
+                log.warning("the checkpoint predates %s: it resumes %s", key, ADDED_LATER[key])
+                continue
             if load:
                 load(getattr(self, f.name), state[key])
             else:
@@ -114,13 +127,28 @@ def _load_rollout(rollout: Any, state: dict[str, Any]) -> None:
         rollout.load_state_dict(state)
 
 
+def _load_curriculum(curriculum: Any, state: dict[str, Any] | None) -> None:
+    if curriculum is not None:
+        curriculum.load_state_dict(state)
+
+
+ADDED_LATER = {
+    "entropy_coef": "with the entropy coefficient algo.entropy_coef (algo.entropy_control=adaptive starts over there)",
+    "curriculum": "with data.curriculum's levels at their start (a run without a curriculum has none to resume)",
+}
+"""Checkpoint keys newer than the first checkpoints, and what resuming an older checkpoint does without them (every
+other key is required: a checkpoint without it is not resumed)."""
+
 # LoopState's object fields: field -> (checkpoint key, save(value) -> data, load(value, data)). Every other field is
 # data, saved and restored as it is (tests/test_train.py checks that each one survives).
 CARRIED: dict[str, tuple[str, Any, Any]] = {
     "prompts": ("prompts", lambda p: p.state_dict(), lambda p, d: p.load_state_dict(d)),
     "sampler": ("carry", lambda s: s.carry, lambda s, d: setattr(s, "carry", d)),  # DAPO's surplus groups
     "kl_ctl": ("kl_coef", lambda k: k.value, lambda k, d: setattr(k, "value", d)),  # β (adaptive: it moves)
+    "entropy_ctl": ("entropy_coef", lambda e: e.state_dict() if e is not None else None,
+                    lambda e, d: e.load_state_dict(d) if e is not None and d is not None else None),  # α (adaptive)
     "rollout": ("rollout", lambda r: r.state_dict() if r else {}, _load_rollout),
+    "curriculum": ("curriculum", lambda c: c.state_dict() if c is not None else None, _load_curriculum),  # levels
 }
 
 

@@ -186,8 +186,8 @@ def environment(cfg: Any) -> str:
     e, r = cfg.env, cfg.rollout
     budget = f"template {e.template or 'of the tokenizer'}, up to {e.max_turns} turns in {r.max_new_tokens} response tokens"
     if r.agent is not None:
-        return (f"agent {r.agent} through the OpenAI-compatible gateway on 127.0.0.1 ({e.episode_workers} episodes at "
-                f"once, {e.episode_timeout_s:g} s each), {budget}")
+        return (f"agent {r.agent} through the OpenAI-compatible gateway on 127.0.0.1 ({e.episode_workers} worker(s) x "
+                f"{e.episodes_per_worker} episodes at once, {e.episode_timeout_s:g} s each), {budget}")
     if e.name is None:
         return "none (single-turn)"
     return f"{e.name}: {list(e.tools)} ({e.tool_format} calls), {budget}"

@@ -37,8 +37,8 @@ from rlcli.algos.kl import build_kl_controller
 from rlcli.config import units
 from rlcli.core.batch import RolloutBatch
 from rlcli.core.units import duration
-from rlcli.data import PromptStream, load_split
-from rlcli.data.reasoning_gym import task_names
+from rlcli.data import load_split, prompt_stream
+from rlcli.data.reasoning_gym import episodes, task_names
 from rlcli.engine.collectives import all_reduce, barrier, gather_objects, rank_zero_first
 from rlcli.loop import checkpoint as ckpt
 from rlcli.loop.eval import eval_subset
@@ -81,12 +81,14 @@ class Trainer:
         self.eval_examples, self.eval_which = eval_subset(evals, cfg.eval)
         engine = "hf" if channel else cfg.rollout.engine  # with rollout ranks: evaluation only
         self.rollout = build_engine(engine, self.learner.actor.module, self.tokenizer, self.model_path, cfg)
+        prompts, curriculum = prompt_stream(cfg.data, train, cfg.seed, self.rank, self.units.world, self.tokenizer)
         self.state = LoopState(
-            prompts=PromptStream(train, cfg.seed, cfg.data.shuffle, self.rank, self.units.world),
+            prompts=prompts, curriculum=curriculum,  # data.curriculum: the prompts are drawn at its levels
             sampler=GroupSampler(self.units.p_local, a.dynamic_sampling, a.filter_metric, a.max_gen_batches,
                                  a.train_on_partial, lockstep=self.learner.lockstep, max_carry=self.units.p_local - 1
                                  if channel else None),
             kl_ctl=build_kl_controller(a), next_group=self.rank * 10**9,  # group ids unique across ranks
+            entropy_ctl=self.learner.entropy_ctl,  # α of the entropy bonus (algo.entropy_control=adaptive: it moves)
             rollout=rollout_source(cfg, channel, self.rollout, self.rewards),
         )
         self.timer = Timer()  # the current step's stage timer (its last stage is named in errors)
@@ -219,6 +221,10 @@ class Trainer:
 
         batch, pool, sampling = s.sampler.collect(sample, self.learner.logprobs)
         metrics = sampling_metrics(batch, pool, per_trajectory, {**counts, **sampling}, self.tasks)
+        if s.curriculum is not None:  # the levels the step drew at; then every episode generated (all ranks) moves them
+            metrics |= s.curriculum.metrics()
+            for note in s.curriculum.observe(e for part in gather_objects(episodes(pool)) for e in part):
+                self.print(note)
         return batch, metrics | s.rollout.metrics(batch, s.step)
 
     # ------------------------------------------------------------------ stage 5

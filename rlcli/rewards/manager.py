@@ -134,7 +134,8 @@ class RewardManager:
         generation batches and ranks). A model part adds weight x its value (rm: the score normalised over this
         batch, reward.rm.normalize, .clip; judge: the verdict); its raw value is the part. A multi-turn row's
         environment reward (`extras["env/reward"]`, rlcli.envs; an agent's, rlcli.rollout.agent) adds to its score, and
-        an agent's acc (`extras["env/acc"]`) is the row's acc."""
+        an agent's acc (`extras["env/acc"]`) is the row's acc; an episode counted in env/errors or env/timeouts scores
+        0 with acc 0."""
         import torch
 
         out = self(b.texts, b.answers)
@@ -155,7 +156,11 @@ class RewardManager:
             counts.update({f"reward/{k}": v for k, v in scored.counts.items()})
         extras = {**b.extras, **{f"reward/{k}": v for k, v in {**parts, **more, AUDIT: flagged}.items()}}
         scores = score + b.extras["env/reward"] if "env/reward" in b.extras else score.clone()
-        return b.replace(scores=scores, acc=b.extras.get("env/acc", out.acc), extras=extras), counts
+        acc = b.extras.get("env/acc", out.acc)
+        if "env/errors" in b.extras:  # an episode that failed or timed out scores 0, whatever its text and steps earned
+            ok = (b.extras["env/errors"] + b.extras["env/timeouts"]) == 0  # [N]
+            scores, acc = torch.where(ok, scores, 0.0), torch.where(ok, acc, 0.0)
+        return b.replace(scores=scores, acc=acc, extras=extras), counts
 
     def _log_once(self, message: str) -> None:
         key = message.split(":", 2)[:2]  # status/part and exception type

@@ -244,6 +244,10 @@ class RewardWorkerPool:
                     self._on_death(w, results, todo)
                     break
                 self._on_message(w, msg, results)
+                if msg[0] == "retire":  # its task left a thread it cannot stop: a fresh worker takes its place
+                    todo.extendleft(reversed(w.tasks))
+                    w.tasks.clear()
+                    self._replace(w)
         now = time.monotonic()
         for w in list(self._workers):
             if w.tasks and now >= w.deadline:
@@ -267,7 +271,7 @@ class RewardWorkerPool:
             raise RuntimeError(f"a worker process failed to start: {payload}")
         elif w.tasks:
             i = w.tasks.popleft()
-            if kind == "ok":
+            if kind in ("ok", "retire"):
                 results[i] = TaskResult("ok", payload)
             else:
                 results[i] = TaskResult(kind, None, payload)  # type: ignore[arg-type]
@@ -337,6 +341,15 @@ def _shutdown(workers: list[_Worker], grace_s: float = 1.0) -> None:
 # The worker process.
 
 
+_RETIRE = [False]
+
+
+def retire_after_reply() -> None:
+    """Called by a task in a worker: this worker is replaced once the task's result is back (the task left a thread
+    running that nothing can stop, say), and runs nothing more."""
+    _RETIRE[0] = True
+
+
 class _SoftTimeout(BaseException):
     """Raised by SIGALRM inside a task. A BaseException, so `except Exception` in verifier code
     (math-verify has several) does not swallow it."""
@@ -401,7 +414,8 @@ def _worker_main(fd: int) -> None:
             try:
                 try:
                     signal.setitimer(signal.ITIMER_REAL, init["timeout_s"])
-                    reply: tuple[str, Any] = ("ok", task(item))
+                    value = task(item)
+                    reply: tuple[str, Any] = ("retire" if _RETIRE[0] else "ok", value)
                 finally:
                     signal.setitimer(signal.ITIMER_REAL, 0)
             except _SoftTimeout:

@@ -1,7 +1,8 @@
 """AgentRollout: `build_engine`'s engine when rollout.agent is set (docs/environments.md, "Agents").
 
-Each row's G episodes each run the agent (rlcli.envs.agent) in a worker process, with an `openai` client whose base
-URL is that episode's address on the gateway (rlcli.rollout.gateway). While they run, this process (the one that
+Each row's G episodes each run the agent (rlcli.envs.agent) on a thread of a worker process (chunks of
+env.episodes_per_worker episodes), with an `openai` client whose base URL is that episode's address on the gateway
+(rlcli.rollout.gateway). While they run, this process (the one that
 owns the engine) answers their requests in batches with the wrapped hf or vllm engine, turn by turn
 (`continue_tokens`), and the gateway records each episode as a multi-turn row: the sampled tokens trained, every
 other token masked. When every episode has ended, the rows are one RolloutBatch of whole groups, as single-turn
@@ -14,7 +15,8 @@ rollout makes, with per-row extras
     env/timeouts       1 where it ran past env.episode_timeout_s (interrupted, killed if it must be); reward 0
     agent/<name>       each of env.agent_metrics the agent returned
 
-At most env.episode_workers episodes run at once; a worker that dies is replaced (rlcli.rewards.pool).
+At most env.episode_workers x env.episodes_per_worker episodes run at once; a worker that dies is replaced
+(rlcli.rewards.pool), and its chunk's episodes are retried once, then counted as errors.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from rlcli.rollout.sampling import Sampling
 
 log = logging.getLogger(__name__)
 
+START_S = 10.0
+"""Seconds a worker may take beyond env.episode_timeout_s for a chunk (its threads' start, its reply)."""
 AGENT_METRICS = ("turns", "observation_tokens", "errors", "timeouts", "reward", "acc")
 """Per-episode values in RolloutBatch.extras as env/<name> (module doc; docs/metrics.md)."""
 
@@ -44,17 +48,21 @@ class AgentRollout(Wrapped):
         super().__init__(engine)
         e = cfg.env
         self.tokenizer, self.timeout_s, self.names = tokenizer, e.episode_timeout_s, tuple(e.agent_metrics)
-        self.pool = RewardWorkerPool("rlcli.envs.agent.run_episode", setup="rlcli.envs.agent.setup_worker",
-                                     setup_args=(cfg.rollout.agent, list(self.names)), num_workers=e.episode_workers,
-                                     timeout_s=e.episode_timeout_s, memory_mb=e.episode_memory_mb)
-        self.gateway = Gateway(tokenizer, e, max_batch=e.episode_workers)
+        self.chunk = e.episodes_per_worker
+        # the worker's own clock stops a chunk after episode_timeout_s (rlcli.envs.agent.run_episodes); the pool's,
+        # START_S later, stops a worker that does not answer at all
+        self.pool = RewardWorkerPool("rlcli.envs.agent.run_episodes", setup="rlcli.envs.agent.setup_worker",
+                                     setup_args=(cfg.rollout.agent, list(self.names), e.episode_timeout_s), num_workers=e.episode_workers,
+                                     timeout_s=e.episode_timeout_s + START_S, memory_mb=e.episode_memory_mb)
+        self.gateway = Gateway(tokenizer, e, max_batch=e.episode_workers * e.episodes_per_worker)
         self._logged: set[str] = set()
 
     def generate(self, prompts: list[str], answers: list[str], n: int, sampling: Sampling, group_offset: int = 0,
                  with_logprobs: bool = False) -> RolloutBatch:
         episodes = self.gateway.open(len(prompts) * n, sampling.max_new_tokens)
         rows = [{"prompt": p, "answer": a} for p, a in zip(prompts, answers) for _ in range(n)]
-        items = [(url, row, self.timeout_s) for (_, url), row in zip(episodes, rows)]
+        pairs = [(url, row) for (_, url), row in zip(episodes, rows)]
+        items = [(pairs[i : i + self.chunk], self.timeout_s) for i in range(0, len(pairs), self.chunk)]
         results: list[TaskResult] = []
         failure: list[BaseException] = []
         finished = threading.Event()
@@ -75,13 +83,15 @@ class AgentRollout(Wrapped):
         self.engine.rest()
         if failure:
             raise RuntimeError(f"rollout.agent: {failure[0]}") from failure[0]
+        outcomes = [o for (chunk, _), r in zip(items, results)  # a chunk's failure is each of its episodes'
+                    for o in (r.value if r.status == "ok" else [(r.status, r.message)] * len(chunk))]
         trajectories = []
-        for (e, _), r in zip(episodes, results):
-            if r.status == "ok":
-                e.stats.update(r.value)
+        for (e, _), (status, value) in zip(episodes, outcomes):
+            if status == "ok":
+                e.stats.update(value)
             else:
-                e.stats["timeouts" if r.status == "timeout" else "errors"] += 1.0
-                self.log_once(f"an episode {'timed out' if r.status == 'timeout' else 'failed'}: {r.message}")
+                e.stats["timeouts" if status == "timeout" else "errors"] += 1.0
+                self.log_once(f"an episode {'timed out' if status == 'timeout' else 'failed'}: {value}")
             trajectories.append(e)
         batch = trajectory_batch(self.tokenizer, trajectories, answers, n, group_offset, with_logprobs, AGENT_METRICS)
         batch.extras.update({f"agent/{k}": torch.tensor([e.stats[k] for e in trajectories], dtype=torch.float32)

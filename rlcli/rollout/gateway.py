@@ -30,7 +30,7 @@ eval.*): a request's temperature, top_p or seed are ignored, since training read
 
 Threads: the HTTP server answers each connection on a thread of its own; a request waits in a queue until the
 thread that owns the engine (the training process's main thread) takes every waiting request as one batch
-(`serve`) and answers them.
+(`serve`) and answers them: all that wait, and those that follow each other within linger_s.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ class Gateway:
     """The HTTP server and the episodes' records (module doc). `open(n)` makes n episodes and their URLs;
     `serve(engine, sampling, finished)` answers requests until `finished` is set and no request waits."""
 
-    def __init__(self, tokenizer: Any, env_cfg: Any, max_batch: int, linger_s: float = 0.02):
+    def __init__(self, tokenizer: Any, env_cfg: Any, max_batch: int, linger_s: float = 0.05):
         self.tokenizer, self.cfg = tokenizer, env_cfg
         self.max_batch, self.linger_s = max_batch, linger_s
         self.episodes: dict[int, Episode] = {}
@@ -182,14 +182,15 @@ class Gateway:
                 return
 
     def take(self) -> list[Request]:
+        """The waiting requests: after a first one, more until none has come for linger_s, or max_batch of them
+        (episodes start, and come back from their tools, a little apart)."""
         try:
             batch = [self.pending.get(timeout=0.05)]
         except queue.Empty:
             return []
-        deadline = time.monotonic() + self.linger_s
         while len(batch) < self.max_batch:
             try:
-                batch.append(self.pending.get(timeout=max(0.0, deadline - time.monotonic())))
+                batch.append(self.pending.get(timeout=self.linger_s))
             except queue.Empty:
                 break
         return batch
@@ -368,6 +369,7 @@ def stream_events(response: dict[str, Any], body: dict[str, Any]) -> list[dict[s
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = 1024  # the listen backlog: every episode of a step may connect at once
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A client that went away (an agent interrupted or killed) is no error of the server's: no traceback."""

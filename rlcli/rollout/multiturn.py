@@ -33,7 +33,8 @@ from rlcli.envs.env import Environment, Toolbox, ToolEnv
 from rlcli.rollout.hf import left_padded
 from rlcli.rollout.sampling import Sampling
 
-ENV_METRICS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "observation_tokens", "used_tool", "reward")
+ENV_METRICS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "observation_tokens", "used_tool", "reward",
+               "errors", "timeouts")
 """Per-trajectory values in RolloutBatch.extras as env/<name> (docs/metrics.md)."""
 
 
@@ -149,8 +150,12 @@ class MultiTurn(Wrapped):
         self.engine.rest()
         for r in rows:
             r.stats["used_tool"] = float(r.stats["tool_calls"] > 0)
+            if hasattr(r.env, "close"):  # however the trajectory ended (env=openenv: its connection)
+                r.env.close()
         return trajectory_batch(self.tokenizer, rows, answers, n, group_offset, with_logprobs, ENV_METRICS)
 
     def close(self) -> None:
         self.toolbox.close()
+        if hasattr(self.env_class, "shutdown"):  # the run is over (env=openenv: the app served for it stops)
+            self.env_class.shutdown()
         self.engine.close()
