@@ -190,4 +190,7 @@ def environment(cfg: Any) -> str:
                 f"{e.episodes_per_worker} episodes at once, {e.episode_timeout_s:g} s each), {budget}")
     if e.name is None:
         return "none (single-turn)"
+    if e.openenv.url or e.openenv.app:
+        where = f"the server at {e.openenv.url}" if e.openenv.url else f"{e.openenv.app} served on 127.0.0.1 for the run"
+        return f"OpenEnv: {where}, {budget}"
     return f"{e.name}: {list(e.tools)} ({e.tool_format} calls), {budget}"
