@@ -49,7 +49,9 @@ def fenced_commands() -> list[tuple[str, str, list[str]]]:
     command with the user's own --config-dir left out)."""
     out = []
     for page in PAGES:
-        for block in re.findall(r"```(?:bash|sh|console)?\n(.*?)```", page.read_text(), re.S):
+        for lang, block in re.findall(r"^[ \t]*```(\w*)\n(.*?)^[ \t]*```", page.read_text(), re.S | re.M):
+            if lang not in ("", "bash", "sh", "console"):  # python, text, yaml: no commands to run
+                continue
             for line in re.sub(r"\\\n\s*", " ", block).splitlines():
                 m = re.match(r"^(?:\S+=\S+ )*(?:\S*/)?rlcli (train|eval|rm|plan)\b(.*)$", line.strip().split(" #")[0])
                 if m and "--config-dir" not in m.group(2):

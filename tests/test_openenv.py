@@ -171,7 +171,14 @@ def test_faults_score_zero_are_counted_and_the_rollout_goes_on(served):
     with RewardManager(compose(*FAST).reward) as rewards:
         b = b.replace(texts=["\\boxed{77}"] * 4, answers=["77"] * 4)  # right, and 2 from the scripted reward
         scored, _ = rewards.reward_batch(b)
-    assert scored.scores.tolist() == [0.0, 0.0, 0.0, 2.75] and scored.acc.tolist() == [0.0, 0.0, 0.0, 1.0]
+        assert scored.scores.tolist() == [0.0, 0.0, 0.0, 2.75] and scored.acc.tolist() == [0.0, 0.0, 0.0, 1.0]
+        # held-out evaluation reads them the same way (the rollout above replayed as the engine's)
+        from rlcli.loop.eval import sample_and_verify
+
+        cfg = compose(*FAST, "eval.k=1", "eval.batch_prompts=4")
+        replay = type("Replay", (), {"generate": lambda self, *args, **kwargs: b})()
+        rows = sample_and_verify(replay, [{"prompt": p, "answer": "77"} for p in "abcd"], cfg.eval, cfg.rollout, rewards)
+    assert [r["correct"] for r in rows] == [[False], [False], [False], [True]]
     again = served.generate(["ok"], ["0"], 2, SAMPLING)
     assert again.extras["env/reward"].tolist() == [0.75, 0.75] and again.extras["env/errors"].sum() == 0
 

@@ -25,8 +25,9 @@ class StepResult:
     reward: float = 0.0
     done: bool = False
     info: dict[str, float] = field(default_factory=dict)
-    """Counts added up per trajectory; tool_calls, tool_errors and tool_timeouts are logged as env/<key> means
-    (docs/metrics.md; rlcli.rollout.multiturn.ENV_METRICS), other keys are not."""
+    """Counts added up per trajectory; tool_calls, tool_errors, tool_timeouts, errors and timeouts are logged as
+    env/<key> means (docs/metrics.md; rlcli.rollout.multiturn.ENV_METRICS), other keys are not. A trajectory with
+    errors or timeouts above 0 scores 0 (and acc 0), in training and in evaluation."""
 
 
 class Environment(Protocol):

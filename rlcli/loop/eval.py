@@ -35,6 +35,8 @@ def sample_and_verify(
         part = examples[s : s + chunk]
         b = engine.generate([e["prompt"] for e in part], [e["answer"] for e in part], k, sampling)
         acc = b.extras["env/acc"] if "env/acc" in b.extras else rewards(b.texts, b.answers).acc  # [N] (an agent's own)
+        if "env/errors" in b.extras:  # an episode that failed or timed out solved nothing, as in training
+            acc = acc * ((b.extras["env/errors"] + b.extras["env/timeouts"]) == 0)
         lengths, truncated = b.lengths.tolist(), b.truncated.tolist()
         for i, e in enumerate(part):
             rows = range(i * k, (i + 1) * k)
