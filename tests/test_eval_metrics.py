@@ -181,7 +181,7 @@ def test_eval_per_prompt_answers_use_the_reward_extractor(monkeypatch):
 
     examples = [{"prompt": f"q{i}", "answer": "1"} for i in range(len(texts) // 4)]
     eval_cfg = SimpleNamespace(k=4, batch_prompts=len(examples), max_new_tokens=8, temperature=1.0, top_p=1.0)
-    rollout_cfg = SimpleNamespace(max_new_tokens=8, gen_batch_size=8)
+    rollout_cfg = SimpleNamespace(max_new_tokens=8, gen_batch_size=8, agent=None)
 
     def rewards(responses, ground_truths):
         return SimpleNamespace(acc=torch.zeros(len(responses)))

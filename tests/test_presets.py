@@ -174,8 +174,8 @@ def test_a_run_whose_loss_is_never_finite_stops_naming_the_step(make_trainer, mo
     micro_loss = t.learner.micro_loss
     calls = []
 
-    def poisoned(mb, norms):  # step 1 trains normally, every later loss is NaN
-        loss, m = micro_loss(mb, norms)
+    def poisoned(mb, norms, *rest):  # step 1 trains normally, every later loss is NaN
+        loss, m = micro_loss(mb, norms, *rest)
         return (loss * float("nan") if t.state.step >= 1 else loss), m
 
     monkeypatch.setattr(t.learner, "micro_loss", lambda *a: (calls.append(1), poisoned(*a))[1])
