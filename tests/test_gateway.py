@@ -191,6 +191,27 @@ def test_a_worker_that_asks_to_retire_is_replaced_once_its_result_is_back():
         assert pool.map(["c"])[0].value == after
 
 
+def test_a_request_no_engine_answers_fails_within_the_episode_timeout():
+    """Nobody serves the queue (the engine's thread is gone): the agent's request fails with 504 after
+    env.episode_timeout_s instead of waiting forever."""
+    import time
+
+    from rlcli.models.tiny import load_tiny_tokenizer
+    from rlcli.rollout.gateway import Gateway
+
+    gateway = Gateway(load_tiny_tokenizer(), compose(*AGENT, "env.episode_timeout_s=1").env, max_batch=4)
+    try:
+        [(_, url)] = gateway.open(1, 16)
+        request = urllib.request.Request(url + "/chat/completions", method="POST", data=json.dumps(
+            {"model": "policy", "messages": [{"role": "user", "content": "Q: 1+1=?"}]}).encode())
+        start = time.monotonic()
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=30)
+        assert refused.value.code == 504 and time.monotonic() - start < 10
+    finally:
+        gateway.shutdown()
+
+
 @pytest.mark.slow
 def test_the_gateway_serves_models_and_refuses_what_it_cannot_record(calculator_agent):
     gateway = calculator_agent.gateway

@@ -238,9 +238,11 @@ class Gateway:
                 e.busy = True
         if r is not None:
             self.pending.put(r)
-            r.done.wait()
+            answered = r.done.wait(self.cfg.episode_timeout_s)  # the engine's thread gone: the agent hears of it
             with e.lock:
                 e.busy = False
+            if not answered:
+                raise Refused(504, f"no completion within env.episode_timeout_s={self.cfg.episode_timeout_s:g} s")
             if r.reply is None:
                 raise Refused(410, f"episode {episode_id} is over")
         new, logp = r.reply if r is not None else ([], [])  # none: the record has ended, an empty reply
