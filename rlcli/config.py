@@ -29,6 +29,8 @@ from rlcli.core.topology import asynchronous, rollout_ranks, staleness, trainer_
 from rlcli.data.config import DataConfig
 from rlcli.envs.openenv import OpenEnvConfig
 from rlcli.envs.openenv import check_config as check_openenv
+from rlcli.envs.verifiers import VerifiersConfig
+from rlcli.envs.verifiers import check_config as check_verifiers
 from rlcli.models.config import CriticConfig, TinyModelConfig, WarmStartConfig
 from rlcli.rewards.config import MODEL_PART, RewardConfig, group_base
 from rlcli.rm.config import RMConfig
@@ -326,6 +328,8 @@ class EnvConfig:
     them all, so they are named here)."""
     openenv: OpenEnvConfig = field(default_factory=OpenEnvConfig)
     """env=openenv: its server (env.openenv.url or .app) and the bounds on its episodes (rlcli/envs/openenv.py)."""
+    verifiers: VerifiersConfig = field(default_factory=VerifiersConfig)
+    """env=verifiers: its taskset, harness and rubric weights (rlcli/envs/verifiers.py)."""
 
 
 @dataclass
@@ -660,7 +664,7 @@ def validate(cfg: DictConfig | Any) -> None:
     resolve_precision(cfg.hw)
     validate_algo(cfg.algo)
     validate_distill(cfg)
-    validate_reward(cfg.reward)
+    validate_reward(cfg.reward, allow_empty=cfg.rollout.agent is not None)
     parse_objective(cfg.sweep.objective, cfg.steps)
     validate_data(cfg.data)
     if (cfg.data.source == "reasoning_gym") != ("reasoning_gym" in cfg.reward.weights):
@@ -849,6 +853,7 @@ def validate_env(cfg: Any) -> None:
         raise ConfigError(f"env.tools={list(e.tools)}: {type(err).__name__}: {err}. List functions decorated with "
                           "@rlcli.envs.tool, by dotted path importable here, e.g. [rlcli.envs.calculator.calc]") from None
     check_openenv(e)
+    check_verifiers(cfg)
     if r.agent is not None:
         validate_agent(cfg)
     elif e.agent_metrics:

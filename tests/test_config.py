@@ -27,7 +27,9 @@ NEEDS = {("model", "hf"): ["model.path=/some/dir"],
          ("recipe", "rlhf/grpo_rm"): ["reward.rm.path=/some/dir"],
          ("recipe", "rlhf/grpo_judge"): ["reward.judge.url=http://127.0.0.1:8000", "reward.judge.model=judge"],
          ("algo", "distill"): ["distill.teacher=tiny_exact_carry"],
-         ("env", "openenv"): ["env.openenv.app=rlcli.envs.openenv_example:app"]}  # a server to name (imported here)
+         ("env", "openenv"): ["env.openenv.app=rlcli.envs.openenv_example:app"],  # a server to name (imported here)
+         ("env", "verifiers"): ["env.verifiers.id=vf_envs.arith"],  # a taskset to name (tests/vf_envs, loaded here)
+         ("reward", "none"): ["rollout.agent=rlcli.envs.calculator:agent"]}  # the agent's reward is the reward
 
 
 def test_the_rlhf_and_code_recipes_are_what_they_say():

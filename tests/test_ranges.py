@@ -81,6 +81,13 @@ FREE = {
                               "(an error episode, env/errors)",
     "env.openenv.observation_key": "a field of the server's observations; one without it is an error episode "
                                    "(env/errors)",
+    "env.verifiers.id": "a taskset module: rlcli.envs.verifiers.check_config loads it before any model (CHECKED below; "
+                        "tests/test_verifiers.py)",
+    "env.verifiers.args": "the taskset's own config fields: verifiers validates them as the taskset loads in "
+                          "check_config (CHECKED below)",
+    "env.verifiers.harness": "a verifiers harness id: check_config loads the environment with it (CHECKED below)",
+    "env.verifiers.weights": "reward names of the rubric: check_config names an unknown one (CHECKED below)",
+    "env.verifiers.acc": "a reward name of the rubric: check_config names an unknown one (CHECKED below)",
     "rm.name": "a preset's label; any text",
     "rm.train_path": "a file or directory: rlcli rm reads its first rows before anything loads (tests/test_rm.py)",
     "rm.eval_path": "a file or directory: rlcli rm reads its first rows before anything loads",
@@ -97,6 +104,11 @@ CHECKED = {
     "env.tools": ["rlcli.envs.calculator.nothing"],
     "env.openenv.url": "http://127.0.0.1:1",
     "env.openenv.app": "no_such_module:app",
+    "env.verifiers.id": "no_such_taskset",
+    "env.verifiers.args": {"num_rows": 3},
+    "env.verifiers.harness": "no_such_harness",
+    "env.verifiers.weights": {"style": 1.0},
+    "env.verifiers.acc": "style",
     "sweep.objective": "reward/mean@0",
 }
 

@@ -6,11 +6,13 @@ the unit tests, which run in this process (the engine is in-process: VLLM_ENABLE
 """
 
 import json
+import os
 
 import pytest
 import torch
 from conftest import FAST, ROOT, cli_env, compose, metric_rows, policy_tensors, rlcli, stable
 
+from rlcli.config import validate
 from rlcli.models import response_logprobs
 from rlcli.models.config import TinyModelConfig
 from rlcli.models.tiny import build_tiny_model, load_tiny_tokenizer
@@ -252,6 +254,24 @@ def test_multi_turn_rows_are_the_same_on_both_engines_and_keep_the_token_contrac
     agent.gateway.shutdown()
     assert_same_rollout(a, c)
     assert torch.equal(a.token_mask, c.token_mask) and torch.equal(a.extras["env/turns"], c.extras["env/turns"])
+    # and a verifiers environment of that conversation (tests/vf_envs/calc.py), answered by vLLM: HF's rows of its tasks
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
+    vf_cfg = compose("env=verifiers", "env.verifiers.id=vf_envs.calc", "env.template=plain", "env.max_turns=2",
+                     f"model.path={path}", "model.name=hf", "rollout.engine=vllm", "env.episode_workers=1",
+                     "data.eval_size=8")
+    validate(vf_cfg)
+    from rlcli.data import load_examples
+
+    rows = load_examples(vf_cfg.data, "train", 0, env_cfg=vf_cfg.env)[:12]
+    vf_prompts, vf_rows = [r["prompt"] for r in rows], [r["answer"] for r in rows]
+    d = hf.generate(vf_prompts, [json.loads(r)["answer"] for r in vf_rows], 1, Sampling(48, 0.0))
+    vf = AgentRollout(vllm.engine, tok, vf_cfg)
+    e = vf.generate(vf_prompts, vf_rows, 1, Sampling(48, 0.0))
+    vf.pool.close()
+    vf.gateway.shutdown()
+    assert_same_rollout(d, e)
+    assert torch.equal(d.token_mask, e.token_mask) and torch.equal(d.extras["env/turns"], e.extras["env/turns"])
+    assert e.extras["env/errors"].sum() == 0 and e.extras["agent/used_tool"].sum() > 0
     hf.close()
     vllm.close()
 

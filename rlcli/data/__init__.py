@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 
 def load_split(
-    data_cfg: Any, split: str, seed: int, *, tokenizer: Any = None
+    data_cfg: Any, split: str, seed: int, *, tokenizer: Any = None, env_cfg: Any = None
 ) -> tuple[list[dict[str, str]], LoadReport]:
     """Examples `{"prompt", "answer"}` of `split` ("train" | "eval") and the report of the load.
 
@@ -28,6 +28,7 @@ def load_split(
     without one, prompts are plain templated text and lengths are not checked. The report is also
     logged: a summary line, and the first bad / over-long rows with row numbers and reasons.
     arith prompts are generated already formatted (template, chat and length limit do not apply).
+    data.source=verifiers reads the tasks of `env_cfg`'s env.verifiers (rlcli.envs.verifiers.load_rows).
     """
     from rlcli.data.config import validate
     from rlcli.data.loaders import LoadReport, load_file_split
@@ -45,6 +46,10 @@ def load_split(
         from rlcli.data.loaders import load_reasoning_gym_split
 
         examples, report = load_reasoning_gym_split(data_cfg, split, seed, tokenizer)
+    elif data_cfg.source == "verifiers":
+        from rlcli.data.loaders import load_verifiers_split
+
+        examples, report = load_verifiers_split(data_cfg, env_cfg, split, tokenizer)
     else:
         examples, report = load_file_split(data_cfg, split, tokenizer)
     log.info(report.summary())
@@ -53,9 +58,10 @@ def load_split(
     return examples, report
 
 
-def load_examples(data_cfg: Any, split: str, seed: int, *, tokenizer: Any = None) -> list[dict[str, str]]:
+def load_examples(data_cfg: Any, split: str, seed: int, *, tokenizer: Any = None,
+                  env_cfg: Any = None) -> list[dict[str, str]]:
     """Examples of `split`; `load_split` without the report (which is logged either way)."""
-    return load_split(data_cfg, split, seed, tokenizer=tokenizer)[0]
+    return load_split(data_cfg, split, seed, tokenizer=tokenizer, env_cfg=env_cfg)[0]
 
 
 class PromptStream:

@@ -11,7 +11,7 @@ from rlcli.data.curriculum import CurriculumConfig
 from rlcli.data.curriculum import check as check_curriculum
 from rlcli.data.reasoning_gym import ReasoningGymConfig
 
-SOURCES = ("arith", "file", "reasoning_gym")
+SOURCES = ("arith", "file", "reasoning_gym", "verifiers")
 CHAT_MODES = ("auto", "always", "never")
 
 
@@ -21,7 +21,8 @@ class DataConfig:
     """Preset name."""
     source: str = rng("arith", choices=SOURCES)
     """Where prompts come from: `arith` (the embedded synthetic task) | `file` (train_path / eval_path) | `reasoning_gym`
-    (reasoning-gym's procedural tasks, data.reasoning_gym.tasks; docs/environments.md)."""
+    (reasoning-gym's procedural tasks, data.reasoning_gym.tasks; docs/environments.md) | `verifiers` (the tasks of
+    env=verifiers' taskset, which sets it)."""
     train_path: str | None = None
     """source=file: JSONL (.jsonl/.json, .jsonl.gz), Parquet (.parquet) or a `datasets.save_to_disk` directory; `pkg://rlcli/...` = a file shipped in the package."""
     eval_path: str | None = None
@@ -68,12 +69,12 @@ def validate(data_cfg: Any) -> None:
     from rlcli.data.templates import check_template
 
     check_ranges(data_cfg, DataConfig, "data.")
-    if data_cfg.source in ("arith", "reasoning_gym"):
+    if data_cfg.source in ("arith", "reasoning_gym", "verifiers"):
         if data_cfg.train_path is not None or data_cfg.eval_path is not None:
             raise ConfigError(f"data.train_path/eval_path are set but data.source={data_cfg.source}: set "
                               "data.source=file")
         for key in ("train_size", "eval_size"):
-            if getattr(data_cfg, key) is None:
+            if getattr(data_cfg, key) is None and data_cfg.source != "verifiers":
                 raise ConfigError(
                     f"data.{key}=null: the {data_cfg.source} task generates a fixed number of prompts; give one"
                 )

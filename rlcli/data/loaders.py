@@ -411,6 +411,35 @@ def load_reasoning_gym_split(cfg: Any, split: str, seed: int, tokenizer: Any = N
     return examples, report
 
 
+def load_verifiers_split(cfg: Any, env_cfg: Any, split: str, tokenizer: Any = None) -> tuple[list[dict[str, str]],
+                                                                                        LoadReport]:
+    """data.source=verifiers: the tasks of env=verifiers' taskset in `split` (rlcli.envs.verifiers.load_rows: the
+    held-out tasks chosen by a hash of their id), prompts measured against data.max_prompt_len as plain text (the
+    harness sends them as messages, through env.template)."""
+    from rlcli.envs.verifiers import load_rows
+
+    size = cfg.train_size if split == "train" else cfg.eval_size
+    rows, other, source = load_rows(env_cfg.verifiers, env_cfg.max_turns, cfg.train_size, cfg.eval_size, split)
+    report = LoadReport(split=split, source=source, rows=len(rows) + other, held_out=other, generated=True)
+    lengths = ([len(ids) for ids in tokenizer([r["prompt"] for r in rows], add_special_tokens=False)["input_ids"]]
+               if tokenizer is not None else [0] * len(rows))
+    report.max_prompt_len = cfg.max_prompt_len if tokenizer is not None else None
+    examples = []
+    for i, (row, n) in enumerate(zip(rows, lengths)):
+        if n > cfg.max_prompt_len:
+            report.too_long += 1
+            if len(report.first_too_long) < cfg.report_bad_rows:
+                report.first_too_long.append((i, n))
+        else:
+            examples.append(row)
+    report.kept = len(examples)
+    if not examples:
+        raise ConfigError(f"env.verifiers.id={env_cfg.verifiers.id}: no usable {split} task ({report.summary()})" + (
+            f": raise data.max_prompt_len={cfg.max_prompt_len}" if report.too_long else
+            f": the taskset has too few tasks for data.eval_size={size} held out" if split == "train" else ""))
+    return examples, report
+
+
 class LevelPools:
     """The training prompts of data.source=reasoning_gym with data.curriculum: `pools(i, level)` -> task i's share
     of data.train_size generated at `level` (rlcli.data.reasoning_gym.level_rows: the run's seed, the held-out

@@ -42,14 +42,19 @@ def load_agent(path: str) -> Callable[..., Any]:
     return fn
 
 
-def setup_worker(path: str, metrics: list[str], timeout_s: float) -> None:
-    """Once per worker: import the agent and the openai client (their import time is not an episode's), and open the
-    HTTP connection pool the episodes' clients share (a client of its own would cost each episode its set-up)."""
+def setup_worker(path: str, metrics: list[str], timeout_s: float, env: dict[str, Any]) -> None:
+    """Once per worker: import the agent and the openai client (their import time is not an episode's), run the
+    agent's own set-up if it has one (`function.setup(env, timeout_s)`, with the run's env config: env=verifiers loads
+    its environment there), and open the HTTP connection pool the episodes' clients share (a client of its own would
+    cost each episode its set-up)."""
     import httpx
     import openai  # noqa: F401
 
+    fn = load_agent(path)
+    if callable(getattr(fn, "setup", None)):
+        fn.setup(env, timeout_s)
     http = httpx.Client(timeout=timeout_s, limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
-    _AGENT[:] = [load_agent(path), list(metrics), http]
+    _AGENT[:] = [fn, list(metrics), http]
 
 
 def outcome(value: Any, metrics: list[str]) -> dict[str, float]:

@@ -101,7 +101,7 @@ def run_eval(cfg: Any) -> dict[str, float]:
     torch.manual_seed(cfg.seed)
     path, source = resolve_model_path(cfg.model, cfg.data)
     model, tokenizer = load_policy(cfg.model, path)
-    examples, report = load_split(cfg.data, "eval", cfg.seed, tokenizer=tokenizer)
+    examples, report = load_split(cfg.data, "eval", cfg.seed, tokenizer=tokenizer, env_cfg=cfg.env)
     examples, which = eval_subset(examples, cfg.eval)
     e = cfg.eval
     print(

@@ -185,6 +185,10 @@ def environment(cfg: Any) -> str:
     """The start-up summary's environment line: single-turn, an environment's tools, or an agent's episodes."""
     e, r = cfg.env, cfg.rollout
     budget = f"template {e.template or 'of the tokenizer'}, up to {e.max_turns} turns in {r.max_new_tokens} response tokens"
+    if e.verifiers.id is not None:
+        return (f"verifiers taskset {e.verifiers.id} (harness {e.verifiers.harness or 'its own, else the in-process chat'}) "
+                f"through the OpenAI-compatible gateway on 127.0.0.1 ({e.episode_workers} worker(s) x "
+                f"{e.episodes_per_worker} episodes at once, {e.episode_timeout_s:g} s each), {budget}")
     if r.agent is not None:
         return (f"agent {r.agent} through the OpenAI-compatible gateway on 127.0.0.1 ({e.episode_workers} worker(s) x "
                 f"{e.episodes_per_worker} episodes at once, {e.episode_timeout_s:g} s each), {budget}")

@@ -72,9 +72,9 @@ class Trainer:
         self.learner = Learner(cfg, self.model_path, self.units)
         self.tokenizer = self.learner.tokenizer
         self.rewards = RewardManager.for_run(cfg, self.tokenizer, with_model=channel is None)  # else rollout ranks score
-        train, self.train_report = load_split(cfg.data, "train", cfg.seed, tokenizer=self.tokenizer)
+        train, self.train_report = load_split(cfg.data, "train", cfg.seed, tokenizer=self.tokenizer, env_cfg=cfg.env)
         self.tasks = task_names(cfg.data)  # a mix of tasks (data=reasoning_gym): acc/<task>, reward/<task>
-        evals, _ = load_split(cfg.data, "eval", cfg.seed, tokenizer=self.tokenizer)
+        evals, _ = load_split(cfg.data, "eval", cfg.seed, tokenizer=self.tokenizer, env_cfg=cfg.env)
         if cfg.hw.max_tokens_per_micro_batch == "auto":  # `rlcli train` fixes it; a Trainer built in code does here,
             # from the same prompt length (the embedded task's exact bound, else the data's longest prompt)
             fix_budget(cfg, arith_bound(cfg) or longest_prompt(self.tokenizer, train + evals, cfg.env))

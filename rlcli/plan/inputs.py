@@ -59,7 +59,7 @@ def measure_prompts(cfg: Any) -> tuple[int, str]:
     tokenizer = load_tokenizer(tokenizer_source(cfg.model), cfg.model.trust_remote_code)
     logging.disable(logging.WARNING)  # the trainer reports the load (kept, dropped, bad rows) when it reads it
     try:
-        examples = [e for split in ("train", "eval") for e in load_split(cfg.data, split, cfg.seed, tokenizer=tokenizer)[0]]
+        examples = [e for split in ("train", "eval") for e in load_split(cfg.data, split, cfg.seed, tokenizer=tokenizer, env_cfg=cfg.env)[0]]
     finally:
         logging.disable(logging.NOTSET)
     return longest_prompt(tokenizer, examples, cfg.env)

@@ -215,13 +215,15 @@ def store_group_schema(name: str = "reward_schema") -> None:
     ConfigStore.instance().store(name=name, node=group_base(), package="reward")
 
 
-def validate(cfg: Any, prefix: str = "reward") -> None:
-    """Raise ConfigError naming the offending key if `cfg` (RewardConfig or DictConfig) is unusable."""
+def validate(cfg: Any, prefix: str = "reward", allow_empty: bool = False) -> None:
+    """Raise ConfigError naming the offending key if `cfg` (RewardConfig or DictConfig) is unusable. `allow_empty`: the
+    weights may be empty (reward=none; a run with rollout.agent, whose own reward is added to the score)."""
     check_ranges(cfg, RewardConfig, prefix + ".")
     custom = dict(cfg.custom)
     valid = sorted(set(REWARDS) | set(custom) | set(MODEL_PARTS))
-    if not cfg.weights:
-        raise ConfigError(f"{prefix}.weights is empty; select a reward, e.g. {prefix}=math_verify")
+    if not cfg.weights and not allow_empty:
+        raise ConfigError(f"{prefix}.weights is empty; select a reward, e.g. {prefix}=math_verify (reward=none only "
+                          "with rollout.agent, whose own reward is then the whole reward)")
     for name in cfg.weights:
         if name not in valid:
             raise ConfigError(

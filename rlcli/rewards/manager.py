@@ -49,7 +49,7 @@ class RewardManager:
             from omegaconf import OmegaConf
 
             cfg = OmegaConf.to_object(cfg)
-        validate(cfg)
+        validate(cfg, allow_empty=True)  # (no reward function is a run-level rule: rlcli.config.validate)
         self.cfg, self.scorers = cfg, dict(scorers or {})
         self.weights = {name: float(w) for name, w in cfg.weights.items()}
         self.functions = {name: w for name, w in self.weights.items() if name not in MODEL_PARTS}  # the workers' parts

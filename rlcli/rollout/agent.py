@@ -13,7 +13,7 @@ rollout makes, with per-row extras
     env/turns          completions the episode asked for; env/observation_tokens: its masked tokens
     env/errors         1 where the agent raised (or returned something that is not a reward); reward and acc 0
     env/timeouts       1 where it ran past env.episode_timeout_s (interrupted, killed if it must be); reward 0
-    agent/<name>       each of env.agent_metrics the agent returned
+    agent/<name>       each of agent_metric_names the agent returned
 
 At most env.episode_workers x env.episodes_per_worker episodes run at once; a worker that dies is replaced
 (rlcli.rewards.pool), and its chunk's episodes are retried once, then counted as errors.
@@ -26,6 +26,7 @@ import threading
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 
 from rlcli.core.batch import RolloutBatch
 from rlcli.rewards.pool import RewardWorkerPool, TaskResult
@@ -41,19 +42,31 @@ AGENT_METRICS = ("turns", "observation_tokens", "errors", "timeouts", "reward", 
 """Per-episode values in RolloutBatch.extras as env/<name> (module doc; docs/metrics.md)."""
 
 
+def agent_metric_names(cfg: Any) -> tuple[str, ...]:
+    """The agent/<name> metrics: env.agent_metrics, then those the agent names itself (`function.metric_names(cfg)`;
+    env=verifiers: its rubric's)."""
+    from rlcli.envs.agent import load_agent
+
+    fn = load_agent(cfg.rollout.agent)
+    own = fn.metric_names(cfg) if callable(getattr(fn, "metric_names", None)) else []
+    return tuple(dict.fromkeys([*cfg.env.agent_metrics, *own]))
+
+
 class AgentRollout(Wrapped):
     """Episodes of the agent rollout.agent through the gateway, answered by the wrapped `engine` (module doc)."""
 
     def __init__(self, engine: Any, tokenizer: Any, cfg: Any):
         super().__init__(engine)
         e = cfg.env
-        self.tokenizer, self.timeout_s, self.names = tokenizer, e.episode_timeout_s, tuple(e.agent_metrics)
+        self.tokenizer, self.timeout_s, self.names = tokenizer, e.episode_timeout_s, agent_metric_names(cfg)
         self.chunk = e.episodes_per_worker
         # the worker's own clock stops a chunk after episode_timeout_s (rlcli.envs.agent.run_episodes); the pool's,
         # START_S later, stops a worker that does not answer at all
+        env = OmegaConf.to_container(e, resolve=True)
         self.pool = RewardWorkerPool("rlcli.envs.agent.run_episodes", setup="rlcli.envs.agent.setup_worker",
-                                     setup_args=(cfg.rollout.agent, list(self.names), e.episode_timeout_s), num_workers=e.episode_workers,
-                                     timeout_s=e.episode_timeout_s + START_S, memory_mb=e.episode_memory_mb)
+                                     setup_args=(cfg.rollout.agent, list(self.names), e.episode_timeout_s, env),
+                                     num_workers=e.episode_workers, timeout_s=e.episode_timeout_s + START_S,
+                                     memory_mb=e.episode_memory_mb)
         self.gateway = Gateway(tokenizer, e, max_batch=e.episode_workers * e.episodes_per_worker)
         self._logged: set[str] = set()
 
