@@ -20,8 +20,8 @@ import hashlib
 import json
 import os
 import threading
-from dataclasses import dataclass
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from rlcli.core.schema import ConfigError
