@@ -286,3 +286,90 @@ def test_a_vllm_rollout_distills_as_the_teacher_scores_on_the_trainer(make_train
     a, b = same.train_step(1), other.train_step(1)
     assert a["distill/reverse_kl"] == 0.0 and a["rollout_corr/kl"] >= 0  # the sampler's gap is not the teacher's
     assert b["distill/reverse_kl"] != 0.0 and all(map(torch.isfinite, map(torch.tensor, b.values())))
+
+
+# ------------------------------------------------------------------------------------------------ self-distillation
+
+
+def test_the_privileged_prompt_keeps_the_prompts_tokens_and_encodes_only_the_text_around_them():
+    """distill.teacher=self: each prompt's own tokens inside the text of distill.privileged, the row's answer filled
+    in, left-padded again; the responses untouched."""
+    from rlcli.core.batch import RolloutBatch
+    from rlcli.loop.learner import privileged_batch
+    from rlcli.models.tiny import load_tiny_tokenizer
+
+    tok = load_tiny_tokenizer()
+    enc = lambda t: tok(t, add_special_tokens=False)["input_ids"]  # noqa: E731
+    p0, p1 = enc("Q: 1+2=?"), enc("Q: 10+20=?")
+    pad = tok.pad_token_id
+    ids = torch.tensor([[pad] * (len(p1) - len(p0)) + p0, p1])  # [2, Tp] left-padded
+    mask = (torch.arange(ids.shape[1]) >= torch.tensor([[len(p1) - len(p0)], [0]])).long()  # [2, Tp]
+    b = RolloutBatch(prompt_ids=ids, prompt_mask=mask, response_ids=torch.tensor([[5, 6], [7, 0]]),
+                     response_mask=torch.tensor([[1, 1], [1, 0]]), truncated=torch.zeros(2, dtype=torch.bool),
+                     group_index=torch.tensor([0, 1]), answers=["3", "30"], texts=["", ""])
+    out = privileged_batch(b, tok, "A={answer};{prompt}|")
+    rows = [enc("A=3;") + p0 + enc("|"), enc("A=30;") + p1 + enc("|")]
+    width = max(map(len, rows))
+    assert out.prompt_ids.tolist() == [[pad] * (width - len(r)) + r for r in rows]
+    assert out.prompt_mask.tolist() == [[0] * (width - len(r)) + [1] * len(r) for r in rows]
+    assert torch.equal(out.response_ids, b.response_ids) and torch.equal(out.response_mask, b.response_mask)
+    same = privileged_batch(b, tok, "{prompt}")
+    assert torch.equal(same.prompt_ids[same.prompt_mask.bool()], ids[mask.bool()])
+
+
+@pytest.mark.slow
+def test_self_distillation_with_the_students_own_prompt_changes_nothing_and_with_the_answer_teaches(make_trainer):
+    """distill.teacher=self, distill.privileged="{prompt}": the teacher is the student reading the same tokens, so its
+    log-probs equal the student's bitwise and the step is bit-identical to the same step without distillation. With
+    the answer shown, the teacher's log-probs of the same sampled tokens differ, and the advantage moves by exactly
+    coef x (teacher - student) per token."""
+    from rlcli.algos.functional import distill_advantages
+    from rlcli.loop.trainer import rl_phase
+
+    plain = make_trainer("save=false", run="plain")
+    same = make_trainer("save=false", "distill.teacher=self", "distill.privileged='{prompt}'", run="same")
+    a, b = plain.train_step(1), same.train_step(1)
+    assert b["distill/reverse_kl"] == 0.0
+    keys = [k for k in a if not k.startswith(("timing_s/", "perf/"))]
+    assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
+    for (n, p), q in zip(plain.learner.actor.module.named_parameters(), same.learner.actor.module.parameters()):
+        assert torch.equal(p, q), n
+    from rlcli.loop.summary import startup_summary
+
+    assert "distillation   teacher self (the policy reading '{prompt}')" in startup_summary(same)
+
+    shown = make_trainer("save=false", "distill.teacher=self", "distill.coef=0.5", run="shown")
+    batch, _ = shown.collect(shown.timer, 1)
+    phase = rl_phase(shown.cfg)
+    scored = batch.replace(**shown.learner.score(batch, 1, phase))
+    # the teacher's log-probs are the actor's on prompts written out in full and encoded whole (the tiny tokenizer
+    # is one token a character, so this is an independent path to the same tokens)
+    tok = shown.tokenizer
+    texts = [f"Reference answer: {a}\n" + tok.decode(ids[m.bool()]) for ids, m, a in
+             zip(batch.prompt_ids, batch.prompt_mask, batch.answers)]
+    enc = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    width = max(map(len, enc))
+    ids = torch.tensor([[tok.pad_token_id] * (width - len(e)) + e for e in enc])
+    mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in enc])
+    want = shown.learner.logprobs(batch.replace(prompt_ids=ids, prompt_mask=mask))  # [N, T]
+    assert torch.equal(scored.teacher_logp, want)
+    m = scored.response_mask.bool()
+    assert not torch.equal(scored.old_logp[m], scored.teacher_logp[m])  # the answer changes what the teacher expects
+    with_teacher = shown.advantage(scored, 1, phase)[0].advantages
+    without = shown.advantage(scored.replace(teacher_logp=None), 1, phase)[0].advantages
+    assert torch.allclose(with_teacher - without, distill_advantages(scored.old_logp, scored.teacher_logp,
+                                                                     scored.loss_mask, 0.5, 0.0), atol=1e-6)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["distill.teacher=self", "distill.full_kl_coef=1.0"], "full-vocabulary KL"),
+    (["distill.teacher=self", "distill.privileged='no prompt'"], "exactly once"),
+    (["distill.teacher=self", "distill.privileged='{prompt} {hint}'"], "hint"),
+    (["distill.privileged='Answer: {answer} {prompt}'"], "read by distill.teacher=self only"),
+])
+def test_self_distillation_config_errors_name_the_fix(overrides, message):
+    from rlcli.config import validate
+    from rlcli.core.schema import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        validate(compose(*overrides))

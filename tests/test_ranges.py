@@ -88,6 +88,8 @@ FREE = {
     "env.verifiers.harness": "a verifiers harness id: check_config loads the environment with it (CHECKED below)",
     "env.verifiers.weights": "reward names of the rubric: check_config names an unknown one (CHECKED below)",
     "env.verifiers.acc": "a reward name of the rubric: check_config names an unknown one (CHECKED below)",
+    "distill.privileged": "text around {prompt}: algos.config.validate_distill formats it before anything loads "
+                          "(CHECKED below; tests/test_distill.py)",
     "rm.name": "a preset's label; any text",
     "rm.train_path": "a file or directory: rlcli rm reads its first rows before anything loads (tests/test_rm.py)",
     "rm.eval_path": "a file or directory: rlcli rm reads its first rows before anything loads",
@@ -105,6 +107,7 @@ CHECKED = {
     "env.openenv.url": "http://127.0.0.1:1",
     "env.openenv.app": "no_such_module:app",
     "env.verifiers.id": "no_such_taskset",
+    "distill.privileged": "{prompt} without a teacher",
     "env.verifiers.args": {"num_rows": 3},
     "env.verifiers.harness": "no_such_harness",
     "env.verifiers.weights": {"style": 1.0},

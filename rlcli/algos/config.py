@@ -258,7 +258,12 @@ class DistillConfig:
     """The teacher: a local Hugging Face model directory (a run's <run>/policy works) or a model preset's name
     (conf/model/, e.g. tiny_exact_carry); null = no distillation. Its tokenizer must be the student's (the same
     vocabulary and ids), checked before any weights load. Loaded once, frozen, in eval mode, in the student's dtype;
-    sharded like the reference model under ZeRO-3."""
+    sharded like the reference model under ZeRO-3. `self` = self-distillation: the policy itself (its current
+    weights, no gradient), shown distill.privileged around the prompt; no second model is loaded."""
+    privileged: str = "Reference answer: {answer}\n{prompt}"
+    """distill.teacher=self: what the teacher reads instead of the prompt, {prompt} (the prompt's own tokens, never
+    encoded again) with text around it, where {answer} is the row's ground truth. "{prompt}" alone = the student's
+    own prompt: the teacher is then the student and the distillation advantage exactly 0."""
     coef: float = rng(1.0, ge=0)
     """Weight of the per-token distillation advantage coef x (log π_teacher(y_t) − log π_student(y_t)) on the sampled
     tokens, added to algo's advantage (algo=distill: the only one)."""
@@ -273,6 +278,19 @@ class DistillConfig:
     """distill/unlikely_frac counts the sampled tokens to which the teacher gives a probability below this."""
 
 
+SELF = "self"
+"""distill.teacher of self-distillation."""
+
+
+def privileged_parts(template: str, answer: str) -> tuple[str, str]:
+    """distill.privileged's text before and after {prompt}, with {answer} filled in (ValueError where {prompt} is not
+    there exactly once; KeyError for another field)."""
+    if template.count("{prompt}") != 1:
+        raise ValueError("it must hold {prompt} exactly once")
+    before, after = template.split("{prompt}")
+    return before.format(answer=answer), after.format(answer=answer)
+
+
 def validate_distill(cfg: Any) -> None:
     """The distill group against the algorithm (root config `cfg`)."""
     check_ranges(cfg.distill, DistillConfig, "distill.")
@@ -280,6 +298,20 @@ def validate_distill(cfg: Any) -> None:
     if d.teacher and d.coef == 0 and d.full_kl_coef == 0:
         raise ConfigError(f"distill.teacher={d.teacher} with distill.coef=0 and distill.full_kl_coef=0 would load a "
                           "teacher that teaches nothing: set distill.coef (e.g. 1.0) or distill.full_kl_coef")
+    if d.teacher == SELF:
+        if d.full_kl_coef > 0:
+            raise ConfigError(f"distill.teacher=self with distill.full_kl_coef={d.full_kl_coef}: the full-vocabulary KL "
+                              "needs the teacher's distributions at the student's positions, which a teacher reading "
+                              "another prompt does not give in the same update pass; use distill.coef (the sampled "
+                              "tokens' advantage) with teacher=self")
+        try:
+            privileged_parts(d.privileged, "0")
+        except (KeyError, IndexError, ValueError) as err:
+            raise ConfigError(f"distill.privileged={d.privileged!r}: {err}: write text around {{prompt}} (once), "
+                              "with {answer} where the ground truth goes") from None
+    elif d.privileged != DistillConfig.privileged:
+        raise ConfigError(f"distill.privileged is read by distill.teacher=self only, but distill.teacher={d.teacher}: "
+                          "set distill.teacher=self (or drop distill.privileged)")
     if cfg.algo.adv_estimator == "none" and not cfg.distill.teacher:
         raise ConfigError(f"algo={cfg.algo.name} (algo.adv_estimator=none) learns only from a teacher: set "
                           "distill.teacher=<a model directory>, e.g. a trained run's <run>/policy")

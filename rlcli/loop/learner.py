@@ -28,6 +28,7 @@ from omegaconf import OmegaConf
 from torch import Tensor
 
 from rlcli import engine as eng
+from rlcli.algos.config import SELF, privileged_parts
 from rlcli.algos.entropy import build_entropy_controller
 from rlcli.algos.functional import (
     aggregate,
@@ -123,7 +124,9 @@ class Learner:
         if a.kl_coef > 0:
             self.ref = model if cfg.model.lora.r else self.frozen_copy(
                 model, lambda: load_policy(trained_model(cfg), model_path)[0])
-        self.teacher = self.load_teacher() if cfg.distill.teacher else None
+        # the distillation teacher: a frozen model, or (distill.teacher=self) the actor itself reading another prompt
+        self.teacher = (None if not cfg.distill.teacher else SELF if cfg.distill.teacher == SELF else
+                        self.load_teacher())
         # α of the entropy bonus (algo.entropy_control=adaptive moves it after each step); LoopState carries this object
         self.entropy_ctl = build_entropy_controller(a)
         self.cov_gen = torch.Generator().manual_seed(cfg.seed)  # Clip-Cov's draws; reseeded by every update
@@ -224,7 +227,8 @@ class Learner:
         if self.ref is not None and (phase.trains_actor or kl_in_reward):
             out["ref_logp"] = self.reference_logprobs(batch)
         if self.teacher is not None and phase.trains_actor:  # on-policy distillation: both policies' log-probs
-            out["teacher_logp"] = self.logprobs(batch, self.teacher)
+            out["teacher_logp"] = (self.logprobs(privileged_batch(batch, self.tokenizer, self.cfg.distill.privileged))
+                                   if self.teacher == SELF else self.logprobs(batch, self.teacher))
             if "old_logp" not in out:  # on-policy updates skip this pass otherwise
                 out["old_logp"] = self.logprobs(batch)
         if self.critic is not None:
@@ -490,3 +494,20 @@ class Learner:
             if eng.rank() == 0:
                 self.critic.module.save_pretrained(os.path.join(run_dir, "critic"), critic_state)
         return path
+
+
+def privileged_batch(b: RolloutBatch, tokenizer: Any, template: str) -> RolloutBatch:
+    """`b` with each prompt inside distill.privileged (distill.teacher=self): the text before {prompt} encoded with
+    the row's answer, the prompt's own tokens, the text after it; left-padded again. The responses are untouched, so
+    the actor scores the same sampled tokens as the teacher. -> the batch, prompts [N, Tp']"""
+    rows = []
+    for ids, mask, answer in zip(b.prompt_ids, b.prompt_mask, b.answers):
+        before, after = privileged_parts(template, answer)
+        pre, post = (tokenizer(t, add_special_tokens=False)["input_ids"] if t else [] for t in (before, after))
+        rows.append(torch.cat([torch.tensor(pre, dtype=ids.dtype), ids[mask.bool()], torch.tensor(post, dtype=ids.dtype)]))
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=b.prompt_ids.dtype)  # [N, Tp']
+    mask = torch.zeros((len(rows), width), dtype=b.prompt_mask.dtype)  # [N, Tp']
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):], mask[i, width - len(r):] = r, 1
+    return b.replace(prompt_ids=ids, prompt_mask=mask)

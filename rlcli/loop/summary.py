@@ -41,7 +41,9 @@ def startup_summary(t: Any) -> str:
         f"  reward         {dict(cfg.reward.weights)}{reward_model_note(cfg, t.rewards.scorers.get('rm'))}"
         f"{judge_note(cfg, 'judge' in t.rewards.scorers)}",
         "  distillation   " + ("none" if learner.teacher is None else
-                               f"teacher {cfg.distill.teacher}, coef {cfg.distill.coef} per sampled token (discount "
+                               f"teacher {cfg.distill.teacher}"
+                               + (f" (the policy reading {cfg.distill.privileged!r})" if cfg.distill.teacher == "self"
+                                  else "") + f", coef {cfg.distill.coef} per sampled token (discount "
                                f"{cfg.distill.discount}), full-vocabulary KL coef {cfg.distill.full_kl_coef}"),
         "  critic         "
         + (f"{cfg.critic.head} head from {cfg.critic.path or 'the policy'}, lr {cfg.critic.lr}, "

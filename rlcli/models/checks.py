@@ -28,7 +28,7 @@ def check_teacher(cfg: Any) -> None:
     import os
 
     teacher = cfg.distill.teacher
-    if not teacher:
+    if not teacher or teacher == "self":  # self-distillation: the student's own weights and tokenizer
         return
     from rlcli.config import teacher_model
 

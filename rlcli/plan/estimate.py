@@ -161,7 +161,9 @@ def _estimate(cfg: Any, prompt: tuple[int, str], budget: int | None, budget_note
     rows["critic"] = critic
     if MODEL_PART in cfg.reward.weights:
         rows["reward model"], notes["reward model"] = reward_model_bytes(cfg, arch, world)
-    if cfg.distill.teacher:
+    if cfg.distill.teacher == "self":
+        rows["teacher"], notes["teacher"] = 0.0, "the policy itself (distill.teacher=self): no weights of its own"
+    elif cfg.distill.teacher:
         rows["teacher"], notes["teacher"], host = teacher_bytes(cfg, arch, wbytes, world, host)
     dev, dev_note = device_memory(hw)
     if "judge" in cfg.reward.weights and cfg.reward.judge.path:
