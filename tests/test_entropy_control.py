@@ -1,4 +1,5 @@
-"""algo.entropy_control: Skywork-OR1's adaptive entropy bonus, Clip-Cov and KL-Cov (docs/algorithms.md#entropy-control).
+"""algo.entropy_control: Skywork-OR1's adaptive entropy bonus, Clip-Cov and KL-Cov; algo.top_entropy_quantile, the
+policy gradient of the highest-entropy tokens only (docs/algorithms.md#entropy-control).
 
 Golden numbers are worked by hand in the comments (nothing to regenerate). The hand batch below, [N=2, T=3]:
 
@@ -199,6 +200,7 @@ def algo(**overrides):
     ({"kl_cov_ratio": 0.01, "entropy_control": "clip_cov"}, "read only by algo.entropy_control=kl_cov"),
     ({"clip_cov_lb": 6.0}, "read only by algo.entropy_control=clip_cov"),
     ({"entropy_control": "clip_cov", "clip_cov_lb": 6.0}, "must be <= algo.clip_cov_ub=5.0"),
+    ({"top_entropy_quantile": 0.2, "policy_loss": "gspo"}, "algo.policy_loss=gspo has one ratio per sequence"),
 ])
 def test_senseless_combinations_are_refused_in_one_line_with_the_fix(overrides, words):
     from rlcli.algos.config import validate
@@ -226,6 +228,55 @@ def test_explain_lists_the_entropy_control_keys():
                 "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "kl_cov_coef"):
         assert f"algo.{key} " in text, key
     assert "one of: none, adaptive, clip_cov, kl_cov" in text
+
+
+# ----------------------------------------------------------------------------------------- top_entropy_quantile
+
+# entropies of the hand batch's tokens; the masked one (9.0) is the largest, so a selection ignoring the mask takes it
+ENT = torch.tensor([[0.5, 2.0, 1.0], [3.0, 2.0, 9.0]], dtype=D)
+
+
+@pytest.mark.parametrize("rho, kept", [
+    (0.1, {(1, 0)}),                          # ⌈0.5⌉ = 1: at least one token
+    (0.2, {(1, 0)}),                          # ⌈0.2·5⌉ = 1: the largest, 3.0
+    (0.3, {(1, 0), (0, 1), (1, 1)}),          # ⌈1.5⌉ = 2 (not ⌊1.5⌋ = 1): threshold 2.0
+    (0.4, {(1, 0), (0, 1), (1, 1)}),          # ⌈0.4·5⌉ = 2: threshold 2.0, both tokens of 2.0 kept (a tie)
+    (0.5, {(1, 0), (0, 1), (1, 1)}),          # ⌈2.5⌉ = 3: threshold 2.0
+    (0.8, {(1, 0), (0, 1), (1, 1), (0, 2)}),  # ⌈4⌉ = 4: threshold 1.0
+    (1.0, {(1, 0), (0, 1), (1, 1), (0, 2), (0, 0)}),
+])
+def test_top_entropy_mask_keeps_the_ceil_rho_n_highest_loss_tokens_and_their_ties(rho, kept):
+    assert cells(F.top_entropy_mask(ENT, MASK, rho)) == kept
+
+
+def test_top_entropy_tokens_keep_their_policy_loss_and_the_rest_get_no_gradient_but_count(make_trainer):
+    """Through micro_loss (token_mean over one micro-batch): with ρ = 0.5 the policy loss equals the full loss
+    matrix's sum over the kept tokens divided by ALL loss tokens (the normalizer unchanged), and actor/entropy_kept_frac
+    is the kept share; ρ = 1 is the plain loss."""
+    from rlcli.algos.losses import POLICY_LOSSES
+    from rlcli.loop.learner import rl_phase
+    from rlcli.loop.metrics import Timer
+    from rlcli.models import response_outputs
+
+    t = make_trainer("algo.loss_agg=token_mean", "hw.micro_batch=64", "algo.top_entropy_quantile=0.5")
+    phase = rl_phase(t.cfg)
+    batch, _ = t.collect(Timer(), 1)
+    batch = batch.replace(**t.learner.score(batch, 1, phase))
+    batch, _ = t.advantage(batch, 1, phase)
+    norms = t.learner.normalizers(batch)
+    with torch.no_grad():
+        loss, m = t.learner.micro_loss(batch, norms, 0.0)
+        logp, entropy, _ = response_outputs(t.learner.actor.module, batch.prompt_ids, batch.prompt_mask,
+                                            batch.response_ids, batch.token_mask, t.cfg.rollout.temperature,
+                                            with_entropy=True, share=t.learner.share)
+    mask = batch.loss_mask
+    full, _ = POLICY_LOSSES[t.cfg.algo.policy_loss](logp, logp, batch.advantages, mask, t.cfg.algo)
+    keep = F.top_entropy_mask(entropy, mask, 0.5)
+    n = mask.sum()
+    assert 0.5 <= keep.sum() / n < 0.6
+    assert m["actor/pg_loss"] == pytest.approx(((full * keep).sum() / n).item(), rel=1e-5, abs=1e-7)
+    assert m["actor/entropy_kept_frac"] == pytest.approx((keep.sum() / n).item(), rel=1e-6)
+    assert m["actor/pg_loss"] != pytest.approx(((full * mask).sum() / n).item(), rel=1e-3)  # the cut changed the loss
 
 
 # ----------------------------------------------------------------------------------------- through the trainer

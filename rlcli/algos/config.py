@@ -122,6 +122,11 @@ class AlgoConfig:
     2e-3 for 7B models, 2e-4 for 32B)."""
     kl_cov_coef: float = rng(1.0, gt=0)
     """kl_cov: β of the penalty β·|logp − old_logp| on the selected tokens (Cui et al.: 1)."""
+    top_entropy_quantile: float = rng(1.0, gt=0, le=1)
+    """ρ: the policy-gradient loss is kept on the ρ share of each micro-batch's loss tokens of highest entropy, the
+    "forking" tokens, and zeroed on the rest, which still count in the aggregation's normalizer (Wang et al. 2025,
+    "Beyond the 80/20 Rule", arXiv:2506.01939: ρ = 0.2); 1 = every token. The entropy bonus and KL terms keep every
+    token."""
     nll_coef: float = rng(0.0, ge=0)
     """μ: VAPO positive-example LM loss weight, NLL over responses with acc = 1 (paper: 0.1)."""
 
@@ -243,6 +248,12 @@ def validate_entropy_control(cfg: Any) -> None:
             f"algo.entropy_control={mode} cuts or penalises single tokens, but algo.policy_loss={cfg.policy_loss} "
             f"has one ratio per sequence: use algo.policy_loss={' or '.join(sorted(TOKEN_RATIO_LOSSES))}, or "
             "algo.entropy_control=none|adaptive"
+        )
+    if cfg.top_entropy_quantile < 1 and cfg.policy_loss not in TOKEN_RATIO_LOSSES:
+        raise ConfigError(
+            f"algo.top_entropy_quantile={cfg.top_entropy_quantile} trains single tokens, but algo.policy_loss="
+            f"{cfg.policy_loss} has one ratio per sequence: use algo.policy_loss="
+            f"{' or '.join(sorted(TOKEN_RATIO_LOSSES))}, or algo.top_entropy_quantile=1"
         )
     if mode == "clip_cov" and not cfg.clip_cov_lb <= cfg.clip_cov_ub:
         raise ConfigError(f"algo.clip_cov_lb={cfg.clip_cov_lb} must be <= algo.clip_cov_ub={cfg.clip_cov_ub}: the "

@@ -878,6 +878,21 @@ def cov_controlled_loss(loss_mat: Tensor, logp: Tensor, old_logp: Tensor, advant
                       "cov_mean": masked_mean(cov, m)}
 
 
+def top_entropy_mask(entropy: Tensor, mask: Tensor, quantile: float) -> Tensor:
+    """The loss tokens among the ρ = `quantile` share of highest entropy (algo.top_entropy_quantile; Wang et al. 2025,
+    arXiv:2506.01939): with n valid tokens, those whose entropy is at least the ⌈ρ·n⌉-th largest (ties at the threshold
+    all kept). The micro-batch's tokens are the population, as for Clip-Cov.
+
+    Shapes: entropy, mask [N, T] -> bool [N, T] (False off the mask)."""
+    m = _valid(mask)
+    values = entropy.detach()[m]  # [n]
+    if values.numel() == 0:
+        return m
+    k = math.ceil(quantile * values.numel())
+    threshold = values.topk(k).values[-1]
+    return m & (entropy.detach() >= threshold)
+
+
 def aggregation_counts(mask: Tensor) -> tuple[Tensor, Tensor]:
     """Normalizer counts of one (micro-)batch: (num_tokens, num_seqs), 0-dim float tensors.
 

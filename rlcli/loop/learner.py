@@ -36,8 +36,10 @@ from rlcli.algos.functional import (
     behaviour_weights,
     cov_controlled_loss,
     kl_estimate,
+    masked_mean,
     positive_example_nll,
     rollout_correction_weights,
+    top_entropy_mask,
 )
 from rlcli.algos.losses import POLICY_LOSSES
 from rlcli.config import BatchUnits, trained_model
@@ -369,6 +371,10 @@ class Learner:
             )
             pm = pm | cm
         share = mask.sum().item() / norms["num_tokens"]  # this micro-batch's share of mini-batch tokens
+        if a.top_entropy_quantile < 1:  # the policy gradient of the highest-entropy ("forking") tokens only
+            keep = top_entropy_mask(entropy, mask, a.top_entropy_quantile)  # [n, T]
+            loss_mat = torch.where(keep, loss_mat, torch.zeros_like(loss_mat))
+            pm = pm | {"entropy_kept_frac": masked_mean(keep.to(logp.dtype), mask)}
         metrics = {f"actor/{k}": float(v) * share for k, v in pm.items()}
         if mb.rollout_logp is not None:  # the sampler/trainer gap on the sampled tokens
             sampler_logp = mb.rollout_logp.to(self.device)
