@@ -220,3 +220,36 @@ def test_a_verifiers_environment_trains_a_step_and_evaluates(tmp_path, monkeypat
     finally:
         t.rewards.close()
         t.rollout.close()
+
+
+def test_a_missing_extra_names_it(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "verifiers.v1", None)  # as if verifiers were not installed
+    with pytest.raises(ConfigError, match=r"env=verifiers needs verifiers .*pip install 'rlcli\[verifiers\]'"):
+        validate(compose(*VF, "env.verifiers.id=vf_envs.arith"))
+
+
+def test_verifiers_is_imported_only_by_env_verifiers():
+    """The schema, validation and a run without env=verifiers never import verifiers (3-12 s and ~5,000 modules)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom conftest import compose\nfrom rlcli.config import validate\n"
+            "validate(compose('env=openenv', 'env.openenv.app=rlcli.envs.openenv_example:app'))\n"
+            "validate(compose())\nprint(sorted(m for m in sys.modules if m.split('.')[0] == 'verifiers'))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT / "tests", capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(ROOT / "tests")})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_the_cli_refuses_a_taskset_that_does_not_load_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "rlcli.commands.cli", "train", "env=verifiers",
+                          "env.verifiers.id=no_such_taskset"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2
+    lines = [x for x in out.stderr.strip().splitlines() if x.strip()]
+    assert len(lines) == 1 and "env.verifiers.id=no_such_taskset cannot be loaded" in lines[0], out.stderr[-2000:]
