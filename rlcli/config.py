@@ -133,6 +133,19 @@ class AsyncRolloutConfig:
 
 
 @dataclass
+class ReplayConfig:
+    """Replay of informative groups in place of empty ones (TRL's GRPOWithReplayBuffer; rlcli/rollout/replay.py,
+    docs/algorithms.md#replay)."""
+
+    size: int = rng(0, ge=0, why="0 = off")
+    """Groups kept per rank, those of largest within-group score std among the informative groups seen; each of a
+    step's empty groups (no accuracy variance) is replaced by the buffered group of largest std. 0 = off."""
+    max_age: int = rng(4, ge=1)
+    """A group admitted at step s is replayed at steps s+1 .. s+max_age at most, with the old log-probs recorded when
+    it was admitted (the ratio π_now / π_sampler); older ones leave the buffer unreplayed."""
+
+
+@dataclass
 class RolloutConfig:
     engine: str = rng("hf", choices=ROLLOUT_ENGINES)
     """Generation engine, a ROLLOUT_ENGINES name (rlcli/rollout/): hf (transformers generate on the training
@@ -185,6 +198,8 @@ class RolloutConfig:
     prompt itself (or env.name's environment does the talking)."""
     async_: AsyncRolloutConfig = field(default_factory=AsyncRolloutConfig)
     """rollout.async.*: asynchronous rollout on ranks of their own (max_staleness null = off)."""
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    """rollout.replay.*: earlier informative groups in place of a step's empty ones (size 0 = off)."""
 
 
 keyword_field(RolloutConfig, "async_", "async")  # the knob is rollout.async.*, a Python keyword
@@ -679,6 +694,7 @@ def validate(cfg: DictConfig | Any) -> None:
     validate_tiny(cfg.model.tiny)
     r, hw, a = cfg.rollout, cfg.hw, cfg.algo
     validate_async(cfg)
+    validate_replay(cfg)
     validate_env(cfg)
     if MODEL_PART in cfg.reward.weights and (cfg.env.name is not None or r.agent is not None):
         raise ConfigError(f"reward.weights.{MODEL_PART} scores single-turn responses, but "
@@ -754,6 +770,27 @@ def off_policy(cfg: Any) -> str:
     if cfg.algo.off_policy != "auto":
         return cfg.algo.off_policy
     return "decoupled" if staleness(cfg) > 0 else "recompute"
+
+
+def validate_replay(cfg: Any) -> None:
+    """rollout.replay against what it needs: empty groups to replace (no dynamic sampling), groups, one trainer clock."""
+    rp, a = cfg.rollout.replay, cfg.algo
+    if rp.size == 0:
+        if rp.max_age != ReplayConfig.max_age:
+            raise ConfigError(f"rollout.replay.max_age={rp.max_age} is read only with a replay buffer, but "
+                              "rollout.replay.size=0: set rollout.replay.size (e.g. 16) or drop the max_age")
+        return
+    if a.dynamic_sampling:
+        raise ConfigError(f"rollout.replay.size={rp.size} replaces a step's empty groups, but algo.dynamic_sampling "
+                          "leaves none (it samples again instead): choose one, rollout.replay.size=0 or "
+                          "algo.dynamic_sampling=false")
+    if not a.group_sampling:
+        raise ConfigError(f"rollout.replay.size={rp.size} replays groups, but algo.group_sampling=false samples each "
+                          "prompt once: keep algo.group_sampling=true, or rollout.replay.size=0")
+    if cfg.rollout["async"].max_staleness is not None:
+        raise ConfigError(f"rollout.replay.size={rp.size} with asynchronous rollout (rollout.async.max_staleness="
+                          f"{cfg.rollout['async'].max_staleness}) is not built: its rows already lag by up to "
+                          "max_staleness versions; use one of them")
 
 
 def validate_async(cfg: Any) -> None:

@@ -267,6 +267,7 @@ OUT_OF_RANGE = {
     "algo.entropy_coef_max": [-0.1, INF], "algo.clip_cov_ratio": [0, -2e-4, 1.5], "algo.clip_cov_lb": [NAN, -INF],
     "algo.clip_cov_ub": [INF, NAN], "algo.kl_cov_ratio": [0, 2], "algo.kl_cov_coef": [0, -1],
     "algo.top_entropy_quantile": [0, -0.2, 1.5, NAN],
+    "rollout.replay.size": [-1], "rollout.replay.max_age": [0, -1],
     "model.dtype": ["fp32"], "model.attn_implementation": ["flash"], "model.lora.r": [-8],
     "model.lora.alpha": [0, -16], "model.lora.dropout": [1, 1.5, -0.1],
     "model.arch.hidden_size": [0], "model.arch.num_hidden_layers": [0], "model.arch.intermediate_size": [-1],

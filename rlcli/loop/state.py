@@ -45,6 +45,9 @@ class LoopState:
     """The KL coefficient β and its controller (fixed, or adaptive: Ziegler et al. 2019)."""
     next_group: int
     """Group ids handed out so far on this rank (unique across ranks and steps)."""
+    replay: Any = None
+    """rollout.replay's buffer of earlier informative groups (rlcli.rollout.replay; None when off), shared with the
+    sampler."""
     rollout: Any = None
     """Where generation batches come from (rlcli.rollout.remote): with rollout ranks, the batches asked for and not
     trained on yet."""
@@ -135,6 +138,7 @@ def _load_curriculum(curriculum: Any, state: dict[str, Any] | None) -> None:
 ADDED_LATER = {
     "entropy_coef": "with the entropy coefficient algo.entropy_coef (algo.entropy_control=adaptive starts over there)",
     "curriculum": "with data.curriculum's levels at their start (a run without a curriculum has none to resume)",
+    "replay": "with an empty replay buffer (rollout.replay)",
 }
 """Checkpoint keys newer than the first checkpoints, and what resuming an older checkpoint does without them (every
 other key is required: a checkpoint without it is not resumed)."""
@@ -149,6 +153,8 @@ CARRIED: dict[str, tuple[str, Any, Any]] = {
                     lambda e, d: e.load_state_dict(d) if e is not None and d is not None else None),  # α (adaptive)
     "rollout": ("rollout", lambda r: r.state_dict() if r else {}, _load_rollout),
     "curriculum": ("curriculum", lambda c: c.state_dict() if c is not None else None, _load_curriculum),  # levels
+    "replay": ("replay", lambda b: b.state_dict() if b is not None else None,
+               lambda b, d: b.load_state_dict(d) if b is not None and d is not None else None),  # rollout.replay
 }
 
 

@@ -53,6 +53,7 @@ from rlcli.plan.inputs import arith_bound, longest_prompt
 from rlcli.rewards import RewardManager
 from rlcli.rollout import build_engine
 from rlcli.rollout.remote import rollout_source
+from rlcli.rollout.replay import ReplayBuffer
 from rlcli.rollout.sampler import DynamicSamplingExhausted, GroupSampler, sampling_metrics
 
 __all__ = ["DynamicSamplingExhausted", "Trainer"]
@@ -82,11 +83,14 @@ class Trainer:
         engine = "hf" if channel else cfg.rollout.engine  # with rollout ranks: evaluation only
         self.rollout = build_engine(engine, self.learner.actor.module, self.tokenizer, self.model_path, cfg)
         prompts, curriculum = prompt_stream(cfg.data, train, cfg.seed, self.rank, self.units.world, self.tokenizer)
+        rp = cfg.rollout.replay
+        replay = ReplayBuffer(rp.size, rp.max_age) if rp.size else None  # rollout.replay: empty groups replaced
         self.state = LoopState(
             prompts=prompts, curriculum=curriculum,  # data.curriculum: the prompts are drawn at its levels
             sampler=GroupSampler(self.units.p_local, a.dynamic_sampling, a.filter_metric, a.max_gen_batches,
                                  a.train_on_partial, lockstep=self.learner.lockstep, max_carry=self.units.p_local - 1
-                                 if channel else None),
+                                 if channel else None, replay=replay),
+            replay=replay,
             kl_ctl=build_kl_controller(a), next_group=self.rank * 10**9,  # group ids unique across ranks
             entropy_ctl=self.learner.entropy_ctl,  # α of the entropy bonus (algo.entropy_control=adaptive: it moves)
             rollout=rollout_source(cfg, channel, self.rollout, self.rewards),
@@ -219,7 +223,7 @@ class Trainer:
                 per_trajectory[k].append(v)
             return made.batch
 
-        batch, pool, sampling = s.sampler.collect(sample, self.learner.logprobs)
+        batch, pool, sampling = s.sampler.collect(sample, self.learner.logprobs, s.step)
         metrics = sampling_metrics(batch, pool, per_trajectory, {**counts, **sampling}, self.tasks)
         if s.curriculum is not None:  # the levels the step drew at; then every episode generated (all ranks) moves them
             metrics |= s.curriculum.metrics()

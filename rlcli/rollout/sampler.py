@@ -20,6 +20,7 @@ from torch import Tensor
 
 from rlcli.core.batch import RolloutBatch
 from rlcli.engine.collectives import agree_min, all_reduce, global_stats
+from rlcli.rollout.replay import ReplayBuffer
 
 
 class DynamicSamplingExhausted(RuntimeError):
@@ -55,6 +56,7 @@ class GroupSampler:
     def __init__(
         self, need: int, dynamic: bool, filter_metric: str, max_gen_batches: int, train_on_partial: bool,
         agree: Callable[[int], int] = agree_min, lockstep: bool = False, max_carry: int | None = None,
+        replay: ReplayBuffer | None = None,
     ):
         self.need, self.dynamic, self.filter_metric = need, dynamic, filter_metric
         self.max_gen_batches, self.train_on_partial, self.agree = max_gen_batches, train_on_partial, agree
@@ -63,19 +65,21 @@ class GroupSampler:
         # Asynchronous rollout: at most need - 1 groups are carried, so every carried group fits the next step (trained
         # at exactly one version older) and every step takes a fresh batch (the staleness bound relies on both).
         self.max_carry = max_carry
+        self.replay = replay  # rollout.replay: earlier informative groups in place of this step's empty ones
 
     def filter_values(self, b: RolloutBatch) -> Tensor:
         """[N] the per-trajectory metric whose within-group variance decides (acc, or score)."""
         return b.acc if self.filter_metric == "acc" else b.scores
 
     def collect(
-        self, sample: Callable[[], RolloutBatch], record_old_logp: Callable[[RolloutBatch], Tensor]
+        self, sample: Callable[[], RolloutBatch], record_old_logp: Callable[[RolloutBatch], Tensor], step: int = 0,
     ) -> tuple[RolloutBatch, list[RolloutBatch], dict[str, float]]:
         """-> (the step's batch of `need` groups, the generation batches sampled for it (the pool), counts).
 
         `sample()` returns one generated, rewarded and shaped batch of fresh rows (`stale` all False).
         `record_old_logp(b)` returns [n, T] log-probs of `b` under the current (sampling) policy; it is
-        called only for fresh rows about to be carried.
+        called only for fresh rows about to be carried or admitted to the replay buffer. `step`: training steps
+        done (the replay buffer's clock).
         """
         parts = [self.carry] if self.carry is not None else []
         carried = len(self.carry.groups) if self.carry is not None else 0
@@ -109,13 +113,21 @@ class GroupSampler:
             surplus = self.stale_copy(batch.select_groups(keep), record_old_logp)
             self.carry = surplus if len(surplus) else None
             batch = batch.select_groups(groups[:take])
+        replayed = 0
+        if self.replay is not None:  # the empty groups out, earlier informative ones in; then this step's offered
+            informative = informative_groups(self.filter_values(batch), batch.group_index).tolist()
+            empty = [g for g in batch.groups.tolist() if g not in set(informative)]
+            fresh = batch
+            batch, replayed = self.replay.replay(batch, step, empty)
+            self.replay.admit(fresh, step, informative, record_old_logp, self.lockstep)
         generated = sum(len(p.groups) for p in pool)
         counts = {
             "dynamic_sampling/gen_batches": float(len(pool)),
             "dynamic_sampling/generated_groups": float(generated),
             "dynamic_sampling/kept_groups": float(kept - carried),
             "dynamic_sampling/carried": float(carried),
-        } | ({"dynamic_sampling/dropped": float(dropped)} if self.dynamic and self.max_carry is not None else {})
+        } | ({"dynamic_sampling/dropped": float(dropped)} if self.dynamic and self.max_carry is not None else {}) | (
+            {"replay/replayed": float(replayed), "replay/buffered": float(len(self.replay))} if self.replay is not None else {})
         return batch, pool, counts
 
     @staticmethod
@@ -161,7 +173,7 @@ def sampling_metrics(batch: RolloutBatch, pool: list[RolloutBatch], per_trajecto
     keys = sorted(counts)
     total = dict(zip(keys, all_reduce(torch.tensor([counts[k] for k in keys], dtype=torch.float64)).tolist()))
     metrics = {k: v["mean"] for k, v in stats.items() if k not in ("reward", "acc", "response_length") and v["n"]}
-    metrics.update({k: total[k] for k in keys if k.startswith("reward/")})
+    metrics.update({k: total[k] for k in keys if k.startswith(("reward/", "replay/"))})
     if "reward/rm" in stats:  # the reward model's raw spread: whitening (reward.rm.normalize) hides it from the reward
         metrics["reward/rm_std"] = stats["reward/rm"]["std"]
     return metrics | {
