@@ -9,6 +9,7 @@ import json
 import os
 
 import pytest
+import test_gateway
 import torch
 from conftest import ROOT, compose
 
@@ -38,18 +39,7 @@ def vf_cfg(path, *overrides):
     return cfg
 
 
-@pytest.fixture(scope="module")
-def policy(calculator_cache):
-    """The calculator recipe's warm-started policy, its tokenizer and its HF engine."""
-    from rlcli.models.policy import load_policy
-    from rlcli.rollout import build_engine
-
-    _, path = calculator_cache
-    cfg = compose("recipe=tools/calculator", f"model.path={path}", "model.name=hf", run_dir="/tmp/unused")
-    model, tok = load_policy(cfg.model, path)
-    multi_turn = build_engine("hf", model, tok, path, cfg)
-    yield model, tok, multi_turn, path
-    multi_turn.close()
+policy = test_gateway.policy  # the fixture: the calculator recipe's warm-started policy, its tokenizer and HF engine
 
 
 def rollout_of(policy, *overrides):

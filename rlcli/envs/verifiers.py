@@ -45,8 +45,8 @@ class VerifiersConfig:
     harness: str | None = None
     """The harness (verifiers' `agent.harness.id`): null = the taskset's own if its module exports one, else rlcli's
     in-process chat loop (rlcli.envs.verifiers_chat: verifiers' `null` harness on the wire, without a process per
-    rollout); any other id is verifiers' own (e.g. null, bash: programs verifiers installs with uv, which needs the
-    network once)."""
+    rollout); `rlcli` = that chat loop even where the taskset has a harness; any other id is verifiers' own (e.g.
+    null, bash: programs verifiers installs with uv, which needs the network once)."""
     weights: Any = None
     """Weights replacing the rubric's by reward name, e.g. {brief: 0.5} (null = the rubric's own); the reward is
     sum weight x score."""
