@@ -216,6 +216,24 @@ def test_the_held_out_set_is_fixed_at_the_levels_named_and_no_training_level_dra
         json_config(level_config(Task("chain_sum", 1, {}), 7)), json_config(level_config(Task("count_bits", 1, {}), 4))}
 
 
+
+def test_with_the_curriculum_on_or_off_the_held_out_set_is_the_same_rows():
+    """The curriculum-off run given the eval level's config explicitly and the curriculum-on run evaluate the same
+    questions, on a task whose small space makes the training rows collide with them (a before/after comparison of
+    the two arms compares like with like)."""
+    from rlcli.data.reasoning_gym import Task, level_config
+
+    level0 = level_config(Task("chain_sum", 1, {}), 0)
+    on = data_cfg(["chain_sum"], {"eval_levels": 0}, train_size=300, eval_size=50)
+    off = data_cfg([{"name": "chain_sum", "config": level0}], train_size=300, eval_size=50)
+    off.curriculum = OmegaConf.structured(CurriculumConfig())
+    for seed in (1, 2):
+        held_on, held_off = (load_split(c, "eval", seed=seed)[0] for c in (on, off))
+        assert held_on == held_off and len(held_on) == 50, seed
+        train_on, train_off = (load_split(c, "train", seed=seed)[0] for c in (on, off))
+        assert sorted(map(str, train_on)) == sorted(map(str, train_off)), seed  # the training rows gave way, alike
+        assert len(train_on) < 300, seed
+
 # ---------------------------------------------------------------------------- errors
 @pytest.mark.parametrize("overrides,needle", [
     (["data.curriculum.enabled=true"], "data.curriculum.enabled=true needs tasks that declare levels, and "

@@ -1,6 +1,6 @@
 """reasoning-gym as data and reward (data=reasoning_gym; docs/environments.md): rows and their ground-truth payload,
-the reward of right, wrong, partial and malformed answers (acc = a full score), the held-out split (its own seed, no
-training question), task weights, the one-line errors, per-task metrics, and `rlcli train` through the real CLI on
+the reward of right, wrong, partial and malformed answers (acc = a full score), the held-out split (one seed for
+every run, never trained on), task weights, the one-line errors, per-task metrics, and `rlcli train` through the real CLI on
 the tiny model and on SmolLM2. Offline; the fast tests need no model."""
 
 import json
@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from rlcli.core.schema import ConfigError
 from rlcli.data import load_split
 from rlcli.data.config import DataConfig, validate
-from rlcli.data.reasoning_gym import eval_seed, shares, task_names, task_of
+from rlcli.data.reasoning_gym import EVAL_SEED, shares, task_names, task_of
 
 rg = pytest.importorskip("reasoning_gym", reason="pip install 'rlcli[reasoning-gym]'")
 
@@ -86,25 +86,28 @@ def test_a_scorer_that_raises_scores_zero_and_counts_as_an_error():
 
 
 # ---------------------------------------------------------------------------- the split and the weights
-def test_training_rows_use_the_run_seed_and_held_out_rows_seed_plus_2_31():
+def test_training_rows_use_the_run_seed_and_held_out_rows_one_seed_for_every_run():
     cfg = data_cfg(["chain_sum"], train_size=30, eval_size=20)
     train, _ = load_split(cfg, "train", seed=7)
     evals, report = load_split(cfg, "eval", seed=7)
-    assert eval_seed(7) == 7 + 2**31 and f"seed {7 + 2**31}" in report.summary()
+    assert EVAL_SEED == 2**31 and f"seed {2**31}" in report.summary()
     assert sorted(questions(train)) == sorted(e["question"] for e in rg.create_dataset("chain_sum", size=30, seed=7))
     assert sorted(questions(evals)) == sorted(e["question"] for e in rg.create_dataset("chain_sum", size=20,
-                                                                                      seed=eval_seed(7)))
+                                                                                      seed=2**31))
+    assert load_split(cfg, "eval", seed=8)[0] == evals  # a seed sweep is scored on the same questions
+    assert questions(load_split(cfg, "train", seed=8)[0]) != questions(train)
 
 
-def test_a_held_out_question_that_is_a_training_question_is_dropped_and_counted():
-    """One-digit sums of two terms: 200 distinct questions, so 300 training rows hold most of them."""
+def test_a_training_question_that_is_a_held_out_question_is_dropped_and_counted():
+    """One-digit sums of two terms: 200 distinct questions, so 300 training rows hold most of the 50 held-out ones."""
     cfg = data_cfg([{"name": "chain_sum", "config": {"min_terms": 2, "max_terms": 2, "max_digits": 1}}],
                    train_size=300, eval_size=50)
-    train, _ = load_split(cfg, "train", seed=0)
     evals, report = load_split(cfg, "eval", seed=0)
+    assert report.kept == 50 and report.held_out == 0  # the held-out set whole, whatever the training size
+    train, report = load_split(cfg, "train", seed=0)
     assert not set(questions(train)) & set(questions(evals))
-    assert report.held_out == 50 - len(evals) > 0 and report.rows == 50
-    assert f"{report.held_out} that are training questions dropped" in report.summary()
+    assert report.held_out == 300 - len(train) > 0 and report.rows == 300
+    assert f"{report.held_out} that are held-out questions dropped" in report.summary()
 
 
 def test_weights_are_the_tasks_shares_of_the_rows():

@@ -8,9 +8,11 @@ size=, seed=, **config)` gives entries `{"question", "answer", "metadata"}` and 
   rows, default 1; config: its own keyword arguments for create_dataset, never `seed` or `size`, which the split
   sets). Each task gets round(size x weight / total weight) rows of a split, by largest remainder (the counts add up
   to the size exactly), and the rows of all tasks are then shuffled together (seeded).
-- Training rows are generated with the run's `seed`; held-out rows with `eval_seed(seed)` = seed + 2^31 (mod 2^32),
-  far from the training seeds (most tasks draw entry i from Random(seed + i)). A held-out row whose question is also
-  a training question is dropped and counted: no held-out question is ever trained on.
+- Training rows are generated with the run's `seed`; held-out rows with EVAL_SEED = 2^31, whatever the run's seed, so
+  every run of a seed sweep is scored on the same questions, far from the training seeds (most tasks draw entry i
+  from Random(seed + i)). A training row whose question is also a held-out question is dropped and counted: no
+  held-out question is ever trained on, and the held-out set depends only on the tasks and data.eval_size (with a
+  curriculum or without, the same rows when the configs are equal).
 - The prompt is the question through data.template (the preset's `answer_tag`: reasoning-gym's convention of the
   final answer between <answer> and </answer> tags) and data.chat, like every prompt; over-long ones are dropped and
   counted (data.max_prompt_len).
@@ -19,8 +21,8 @@ size=, seed=, **config)` gives entries `{"question", "answer", "metadata"}` and 
 
 With data.curriculum (rlcli/data/curriculum.py) each task moves through the levels of reasoning-gym's own curriculum
 of it: the rows of a task at level L are generated from `level_config(task, L)` (the curriculum's configuration at
-global level L over the task's config). The held-out rows are then generated at data.curriculum.eval_levels (seed
-eval_seed(seed)), and it is the training rows of each level that drop the held-out questions (`level_rows`).
+global level L over the task's config). The held-out rows are then generated at data.curriculum.eval_levels, and the
+training rows of each level drop the held-out questions (`level_rows`).
 
 reasoning_gym is imported only when rows are generated or the tasks are checked (about a second).
 """
@@ -38,9 +40,9 @@ from typing import Any
 from rlcli.core.schema import ConfigError
 
 INSTALL = "pip install 'rlcli[reasoning-gym]'"
-EVAL_SEED_OFFSET = 2**31
-"""Held-out rows use seed + EVAL_SEED_OFFSET (mod 2^32): most tasks draw entry i from Random(seed + i), so the two
-splits' seeds are 2^31 entries apart."""
+EVAL_SEED = 2**31
+"""The seed of every run's held-out rows: most tasks draw entry i from Random(seed + i), so the held-out generator is
+2^31 entries from the small training seeds people use."""
 KEY = "data.reasoning_gym.tasks"
 RESERVED_CONFIG = ("seed", "size")
 """create_dataset keywords the split sets (train/eval seed, row count); a task's config may not set them."""
@@ -109,11 +111,6 @@ def task_names(data_cfg: Any) -> list[str]:
     return list(dict.fromkeys(t.name for t in parse_tasks(data_cfg.reasoning_gym.tasks)))
 
 
-def eval_seed(seed: int) -> int:
-    """The seed of the held-out rows (EVAL_SEED_OFFSET)."""
-    return (seed + EVAL_SEED_OFFSET) % 2**32
-
-
 def _import() -> Any:
     try:
         import reasoning_gym
@@ -174,7 +171,7 @@ def task_of(answer: str) -> str | None:
     return task if isinstance(task, str) else None
 
 
-@functools.lru_cache(maxsize=8)  # the held-out split needs the training questions: generate them once
+@functools.lru_cache(maxsize=8)  # the training split needs the held-out questions: generate them once
 def _generate(tasks_json: str, size: int, seed: int) -> tuple[tuple[str, str], ...]:
     """(question, ground truth) rows of one split: each task's share, then shuffled together (seeded)."""
     rg = _import()
@@ -192,18 +189,21 @@ def _tasks_json(tasks: list[Task]) -> str:
     return json.dumps([{"name": t.name, "weight": t.weight, "config": t.config} for t in tasks], sort_keys=True)
 
 
-def generate_train(tasks: list[Task], size: int, seed: int) -> list[tuple[str, str]]:
-    """The (question, ground truth) training rows: seed `seed`."""
-    return list(_generate(_tasks_json(tasks), size, seed))
-
-
-def generate_eval(tasks: list[Task], size: int, train_size: int, seed: int) -> tuple[list[tuple[str, str]], int]:
-    """The held-out rows (seed eval_seed(seed)) without any question of the `train_size` training rows; -> (rows,
-    how many were dropped)."""
-    trained = {q for q, _ in _generate(_tasks_json(tasks), train_size, seed)}
-    rows = _generate(_tasks_json(tasks), size, eval_seed(seed))
-    kept = [r for r in rows if r[0] not in trained]
+def drop_questions(rows: tuple[tuple[str, str], ...], questions: set[str]) -> tuple[list[tuple[str, str]], int]:
+    """`rows` without those whose question is in `questions`; -> (rows, how many were dropped)."""
+    kept = [r for r in rows if r[0] not in questions]
     return kept, len(rows) - len(kept)
+
+
+def generate_eval(tasks: list[Task], size: int) -> list[tuple[str, str]]:
+    """The held-out (question, ground truth) rows: seed EVAL_SEED."""
+    return list(_generate(_tasks_json(tasks), size, EVAL_SEED))
+
+
+def generate_train(tasks: list[Task], size: int, seed: int, held_out: list[tuple[str, str]]
+                   ) -> tuple[list[tuple[str, str]], int]:
+    """The training rows (seed `seed`) without any question of `held_out`; -> (rows, how many were dropped)."""
+    return drop_questions(_generate(_tasks_json(tasks), size, seed), {q for q, _ in held_out})
 
 
 def split_rows(data_cfg: Any, split: str, seed: int) -> tuple[list[tuple[str, str]], int, str]:
@@ -213,14 +213,15 @@ def split_rows(data_cfg: Any, split: str, seed: int) -> tuple[list[tuple[str, st
     check_tasks(tasks)
     if data_cfg.curriculum.enabled:
         return curriculum_split_rows(data_cfg, tasks, split, seed)
+    held_out = generate_eval(tasks, data_cfg.eval_size)
     if split == "train":
-        rows, dropped = generate_train(tasks, data_cfg.train_size, seed), 0
+        rows, dropped = generate_train(tasks, data_cfg.train_size, seed, held_out)
     elif split == "eval":
-        rows, dropped = generate_eval(tasks, data_cfg.eval_size, data_cfg.train_size, seed)
+        rows, dropped = held_out, 0
     else:
         raise ValueError(f"split={split!r}; valid splits: ('train', 'eval')")
     mix = ", ".join(f"{t.name} x{t.weight:g}" for t in tasks)
-    return rows, dropped, f"reasoning-gym ({mix}; seed {seed if split == 'train' else eval_seed(seed)})"
+    return rows, dropped, f"reasoning-gym ({mix}; seed {seed if split == 'train' else EVAL_SEED})"
 
 
 def check_inputs(data_cfg: Any, readable: Any = None, unreadable: str = "") -> None:
@@ -232,7 +233,7 @@ def check_inputs(data_cfg: Any, readable: Any = None, unreadable: str = "") -> N
     if data_cfg.curriculum.enabled:
         check_curriculum(tasks, data_cfg.curriculum)
     if readable is not None:
-        questions = [q for q, _ in generate_train(tasks, min(data_cfg.train_size, 100), 0)]
+        questions = [q for q, _ in _generate(_tasks_json(tasks), min(data_cfg.train_size, 100), 0)]
         if not any(readable(q) for q in questions):
             raise ConfigError(f"{KEY}: {unreadable} (its first prompt: {questions[0][:80]!r})")
 
@@ -323,19 +324,15 @@ def split_levels(cfg: Any, tasks: list[Task], split: str) -> dict[str, int]:
     return levels(spec, cfg.start_level, tops(tasks))
 
 
-def _eval_rows_at(data_cfg: Any, tasks: list[Task], seed: int) -> tuple[tuple[str, str], ...]:
-    at = tasks_at(tasks, split_levels(data_cfg.curriculum, tasks, "eval"))
-    return _generate(_tasks_json(at), data_cfg.eval_size, eval_seed(seed))
+def _eval_rows_at(data_cfg: Any, tasks: list[Task]) -> list[tuple[str, str]]:
+    return generate_eval(tasks_at(tasks, split_levels(data_cfg.curriculum, tasks, "eval")), data_cfg.eval_size)
 
 
 def level_rows(data_cfg: Any, tasks: list[Task], i: int, level: int, size: int, seed: int
                ) -> tuple[list[tuple[str, str]], int]:
     """`size` training rows of task `tasks[i]` at curriculum `level` (seed `seed`) without the held-out questions
-    (data.curriculum.eval_levels, seed eval_seed(seed)). -> (rows, how many were held-out questions)"""
-    held_out = {q for q, _ in _eval_rows_at(data_cfg, tasks, seed)}
-    rows = _generate(_tasks_json(tasks_at([tasks[i]], {tasks[i].name: level})), size, seed)
-    kept = [r for r in rows if r[0] not in held_out]
-    return kept, len(rows) - len(kept)
+    (data.curriculum.eval_levels). -> (rows, how many were held-out questions)"""
+    return generate_train(tasks_at([tasks[i]], {tasks[i].name: level}), size, seed, _eval_rows_at(data_cfg, tasks))
 
 
 def curriculum_split_rows(data_cfg: Any, tasks: list[Task], split: str, seed: int
@@ -346,7 +343,7 @@ def curriculum_split_rows(data_cfg: Any, tasks: list[Task], split: str, seed: in
     at = split_levels(data_cfg.curriculum, tasks, split)
     mix = ", ".join(f"{t.name} x{t.weight:g} at level {at[t.name]}" for t in tasks)
     if split == "eval":
-        return list(_eval_rows_at(data_cfg, tasks, seed)), 0, f"reasoning-gym ({mix}; seed {eval_seed(seed)})"
+        return _eval_rows_at(data_cfg, tasks), 0, f"reasoning-gym ({mix}; seed {EVAL_SEED})"
     if split != "train":
         raise ValueError(f"split={split!r}; valid splits: ('train', 'eval')")
     rows, dropped = [], 0
