@@ -100,10 +100,14 @@ def test_first_signal_raises_a_flag_and_a_second_ctrl_c_aborts():
         os.kill(os.getpid(), signal.SIGTERM)
         os.kill(os.getpid(), signal.SIGTERM)  # Slurm and torchrun may both deliver it: still one stop
         assert signals.signum == signal.SIGTERM and len(said) == 1 and "Ctrl-C again" in said[0]
+        assert "then writing a checkpoint" in said[0]
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(1)
     assert signal.getsignal(signal.SIGTERM) is before
+    with ckpt.StopSignals(announce=said.append, saves=False):  # save=false promises no checkpoint, even on a signal
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert "then stopping without a checkpoint (save=false)" in said[1] and "writing" not in said[1]
 
 
 def test_a_fresh_run_refuses_a_run_dir_that_holds_checkpoints(tmp_path):

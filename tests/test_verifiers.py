@@ -191,15 +191,18 @@ def test_a_verifiers_environment_trains_a_step_and_evaluates(tmp_path, monkeypat
     the row's; its parts logged and documented; held-out evaluation runs the environment too."""
     from metric_names import undocumented
 
+    from rlcli.envs.verifiers import _inspected
     from rlcli.loop.trainer import Trainer
 
     monkeypatch.setenv("RLCLI_CACHE", str(tmp_path / "cache"))
     cfg = compose(*VF, "env.verifiers.id=vf_envs.calc", "rollout.max_new_tokens=48", f"model.path={calculator_cache[1]}",
                   "model.name=hf", "rollout.prompts_per_step=4", "rollout.n=4", "data.eval_size=4",
                   "reward.num_workers=1", "hw.num_threads=1", "eval.before=false", run_dir=str(tmp_path / "run"))
+    _inspected.cache_clear()
     validate(cfg)
     t = Trainer(cfg)
     try:
+        assert _inspected.cache_info().misses == 1  # the checks, the metric names and both splits read one Env
         b, _ = t.collect(t.timer, 1)
         assert torch.equal(b.scores, b.extras["env/reward"]) and torch.equal(b.acc, b.extras["env/acc"])
         assert b.acc.sum() > 0

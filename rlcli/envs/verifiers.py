@@ -16,6 +16,7 @@ here, so it scores 0 and counts in env/errors; its turn limit is env.max_turns.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import os
@@ -98,8 +99,24 @@ def top_level(module: str) -> str:
 
 
 def load_env(v: Any, max_turns: int) -> Any:
-    vf = _vf()
-    return vf.load_environment(env_config(v, max_turns))
+    """A fresh verifiers Env of env.verifiers (an agent worker's own: it serves episodes)."""
+    return _vf().load_environment(env_config(v, max_turns))
+
+
+def inspected_env(v: Any, max_turns: int) -> Any:
+    """The Env the trainer process reads (its rubric, its tasks): loaded once per process and configuration, however
+    many start-up steps ask (the checks, the metric names, both splits)."""
+    from omegaconf import OmegaConf
+
+    plain = OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else dict(vars(v))
+    return _inspected(json.dumps(plain, sort_keys=True, default=str), max_turns)
+
+
+@functools.lru_cache(maxsize=4)
+def _inspected(v_json: str, max_turns: int) -> Any:
+    from types import SimpleNamespace
+
+    return load_env(SimpleNamespace(**json.loads(v_json)), max_turns)
 
 
 def task_of(env: Any, row: dict[str, Any]) -> Any:
@@ -141,8 +158,7 @@ def check_config(cfg: Any) -> None:
     if any(isinstance(w, bool) or not isinstance(w, int | float) for w in (v.weights or {}).values()):
         raise ConfigError(f"env.verifiers.weights={v.weights}: each weight must be a number")
     try:
-        env = load_env(v, cfg.env.max_turns)
-        rewards, _ = rubric(env)
+        rewards, _ = rubric(inspected_env(v, cfg.env.max_turns))
     except ConfigError:
         raise
     except Exception as err:  # the user's module may raise anything while it imports
@@ -159,7 +175,7 @@ def check_config(cfg: Any) -> None:
 
 def metric_names(cfg: Any) -> list[str]:
     """The agent/<name> metrics of env=verifiers: its rewards' scores, then its metrics."""
-    rewards, metrics = rubric(load_env(cfg.env.verifiers, cfg.env.max_turns))
+    rewards, metrics = rubric(inspected_env(cfg.env.verifiers, cfg.env.max_turns))
     return [*rewards, *(m for m in metrics if m not in rewards)]
 
 
@@ -168,8 +184,7 @@ def load_rows(v: Any, max_turns: int, train_size: int | None, eval_size: int | N
     """The rows of `split`: {"prompt": the task's prompt as text, "answer": the task data as JSON}; -> (rows, rows of
     the other split, where they came from). The held-out split is the data.eval_size tasks of least hash of their id
     (seed- and order-independent), never trained on; the training split the rest, at most data.train_size."""
-    env = load_env(v, max_turns)
-    taskset = env.taskset
+    taskset = inspected_env(v, max_turns).taskset
     want = None if train_size is None or eval_size is None else train_size + eval_size
     if taskset.INFINITE and want is None:
         raise ConfigError(f"env.verifiers.id={v.id} is an endless taskset: set data.train_size and data.eval_size")

@@ -457,9 +457,10 @@ class StopSignals:
     checkpoint and exits (Slurm preemption sends SIGTERM). A second SIGINT aborts at once. The announcement
     goes straight to stderr's file descriptor: a signal can arrive in the middle of another print."""
 
-    def __init__(self, announce: Callable[[str], Any] | None = to_stderr):
+    def __init__(self, announce: Callable[[str], Any] | None = to_stderr, saves: bool = True):
         self.signum = 0
         self.announce = announce
+        self.then = "then writing a checkpoint" if saves else "then stopping without a checkpoint (save=false)"
         self.previous: dict[int, Any] = {}
 
     def __enter__(self) -> StopSignals:
@@ -477,5 +478,5 @@ class StopSignals:
         if not self.signum:
             self.signum = signum
             if self.announce is not None:
-                self.announce(f"received {signal.Signals(signum).name}: finishing this step, then writing a checkpoint "
-                              "(press Ctrl-C again to abort at once)")
+                self.announce(f"received {signal.Signals(signum).name}: finishing this step, {self.then} (press "
+                              "Ctrl-C again to abort at once)")

@@ -105,7 +105,7 @@ class Trainer:
         cfg, s = self.cfg, self.state
         first = s.step
         self.print(startup_summary(self))
-        with ckpt.StopSignals(announce=ckpt.to_stderr if self.main else None) as signals:
+        with ckpt.StopSignals(announce=ckpt.to_stderr if self.main else None, saves=cfg.save) as signals:
             if s.step:
                 self.print(f"resumed from {self.resumed_from}: {s.step} of {cfg.steps} steps done")
             elif cfg.eval.before:

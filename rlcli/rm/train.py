@@ -99,7 +99,7 @@ class RewardModelTrainer:
         cfg, s = self.cfg, self.state
         first = s.step
         self.print(self.summary())
-        with ckpt.StopSignals(announce=ckpt.to_stderr if self.main else None) as signals:
+        with ckpt.StopSignals(announce=ckpt.to_stderr if self.main else None, saves=cfg.save) as signals:
             if s.step:
                 self.print(f"resumed from {self.resumed_from}: {s.step} of {cfg.steps} steps done")
             else:
