@@ -263,6 +263,11 @@ class HWConfig:
     keys and values (a block attention mask; the prompt's gradient summed over its rows), equal to a forward per
     row up to rounding. Needs an attention implementation that takes a custom mask (sdpa, eager); others run a
     forward per row. false = a forward per row (the prompt recomputed for each response)."""
+    sp_size: int = rng(1, ge=1)
+    """Sequence parallelism: scoring and the update run each sequence split over this many ranks along its length,
+    attention through DeepSpeed's Ulysses (all-to-all over heads), so one response may be N times longer than one
+    device holds (docs/sequence_parallel.md). Must divide the training ranks; the data-parallel size is ranks / N.
+    Rollout is unchanged. 1 = off."""
     max_tokens_per_micro_batch: int | str | None = rng("auto", ge=1, also=("auto",))
     """Memory only: also cap a micro-batch's token slots, rows x (longest prompt + longest response), or with
     hw.share_prompts groups x (longest prompt + rows of the largest group x longest response).
@@ -578,9 +583,9 @@ def shares_prompts(cfg: Any) -> bool:
     """Whether scoring and the update run each group's prompt once (hw.share_prompts with G > 1 and an attention
     implementation that takes the block mask: sdpa, eager, or the library's default, sdpa): what the memory plan
     counts. The learner decides from the loaded model with a start-up check (rlcli.models.policy.prompt_sharing_for),
-    which can also fall back to a forward per row."""
+    which can also fall back to a forward per row. Never under sequence parallelism (hw.sp_size > 1)."""
     attention = cfg.model.attn_implementation
-    return cfg.hw.share_prompts and units(cfg).G > 1 and attention in (None, "sdpa", "eager")
+    return cfg.hw.share_prompts and units(cfg).G > 1 and attention in (None, "sdpa", "eager") and cfg.hw.sp_size == 1
 
 
 def trained_model(cfg: Any) -> Any:
@@ -743,6 +748,7 @@ def validate(cfg: DictConfig | Any) -> None:
         )
     if len(cfg.optim.betas) != 2:
         raise ConfigError(f"optim.betas={list(cfg.optim.betas)} must be two numbers [beta1, beta2], e.g. [0.9, 0.999]")
+    validate_sequence_parallel(cfg)
     if hw.offload_params and hw.zero_stage != 3:
         raise ConfigError(f"hw.offload_params=true needs hw.zero_stage=3 (it offloads ZeRO-3's parameter "
                           f"partitions), not {hw.zero_stage}: set hw.zero_stage=3 or hw.offload_params=false")
@@ -763,6 +769,25 @@ def validate(cfg: DictConfig | Any) -> None:
             raise ConfigError("rollout.sleep_mode=true needs hw.device=cuda (vLLM sleep mode offloads GPU memory)")
     check_installed(cfg.logger)
     validate_switches(cfg)
+
+
+def validate_sequence_parallel(cfg: Any) -> None:
+    """hw.sp_size's rules that need no model (the model's type and heads are checked when it loads:
+    rlcli.engine.sequence.SequenceParallel.check)."""
+    n, world = cfg.hw.sp_size, trainer_ranks(cfg)
+    if n == 1:
+        return
+    if world % n:
+        raise ConfigError(f"hw.sp_size={n} must divide the {world} training ranks (hw.nproc x hw.nnodes): each "
+                          "sequence-parallel group is that many consecutive ranks")
+    if cfg.model.attn_implementation not in (None, "sdpa", "flash_attention_2", "flash_attention_3"):
+        raise ConfigError(f"hw.sp_size={n} runs attention through DeepSpeed's Ulysses, which wraps sdpa and flash "
+                          f"attention, not model.attn_implementation={cfg.model.attn_implementation}: set "
+                          "model.attn_implementation=sdpa")
+    if cfg.distill.full_kl_coef > 0:
+        raise ConfigError(f"distill.full_kl_coef={cfg.distill.full_kl_coef} compares whole next-token distributions "
+                          f"per response position, which hw.sp_size={n} does not gather: set hw.sp_size=1, or use "
+                          "the sampled-token distillation (distill.coef)")
 
 
 def off_policy(cfg: Any) -> str:

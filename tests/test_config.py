@@ -214,6 +214,10 @@ def test_vapo_at_paper_scale_is_the_papers_batch():
     (["hw.nnodes=2"], "set hw.master_port"),
     (["hw.nnodes=2", "hw.master_port=29500", "hw.node_rank=2"], "hw.node_rank=2 must lie in [0, hw.nnodes=2)"),
     (["hw=cpu_x2", "hw.nnodes=3", "hw.master_port=29500"], "divisible by hw.nproc x hw.nnodes = 6 ranks"),
+    (["hw=cpu_x2", "hw.sp_size=4", "rollout.prompts_per_step=8"], "hw.sp_size=4 must divide the 2 training ranks"),
+    (["hw=cpu_x2", "hw.sp_size=2", "model.tiny.attn_implementation=eager", "model.attn_implementation=eager"],
+     "wraps sdpa and flash attention, not model.attn_implementation=eager"),
+    (["hw=cpu_x2", "hw.sp_size=2", "algo=distill", "distill.teacher=/x", "distill.full_kl_coef=1.0"], "does not gather"),
 ])
 def test_a_switch_that_is_on_acts_or_fails_validation_with_the_fix(overrides, fix):
     with pytest.raises(ValueError, match=None) as e:

@@ -67,7 +67,7 @@ COMMANDS = fenced_commands()
 
 
 def test_the_docs_have_commands():
-    assert len(COMMANDS) > 40 and {c for _, c, _ in COMMANDS} == {"train", "eval", "rm"}  # `plan rm` is rm's
+    assert len(COMMANDS) > 40 and {c for _, c, _ in COMMANDS} == {"train", "eval", "rm", "plan"}  # `plan rm` is rm's
 
 
 @pytest.mark.parametrize("page, command, args", COMMANDS, ids=[f"{p}:{' '.join(a)[:60]}" for p, _, a in COMMANDS])

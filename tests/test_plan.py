@@ -188,6 +188,54 @@ def test_zero_shards_over_the_training_ranks_only():
     assert split.rows["optimizer states"] == one.rows["optimizer states"]
 
 
+LONG = ["model=llama3.1-8b", "hw=8xh100", "hw.zero_stage=3", "hw.offload_params=true", "hw.offload_optimizer=true",
+        "rollout.engine=vllm", "rollout.sleep_mode=true", "algo.kl_coef=0", "rollout.n=1", "hw.micro_batch=1",
+        "hw.logits_chunk=64", "rollout.prompts_per_step=8", "hw.max_tokens_per_micro_batch=null"]
+"""Llama-3.1-8B on 8 H100s, everything offloaded, one sequence per micro-batch: ALST's long-sequence setting
+(docs/sequence_parallel.md, "How long")."""
+
+
+def test_sequence_parallel_counts_a_ranks_slice_of_each_sequence():
+    """hw.sp_size=8: a rank keeps the activations of 1/8 of each sequence's positions (no [seq, seq] mask: Ulysses
+    attention is causal without one) and its slice's logits, and the group's ranks pool their rows (the micro-batch
+    is drawn from 8x the rows); the model states and the rollout's KV cache are unchanged."""
+    from rlcli.plan.activations import activation_bytes
+
+    whole, sliced = (estimate(compose(*LONG, "rollout.max_new_tokens=65280", f"hw.sp_size={n}")) for n in (1, 8))
+    arch = whole.shape["arch"]
+    assert whole.rows["activations"] == activation_bytes(arch, 1, 65536, 2, True)  # prompt 256 + 65280
+    assert sliced.rows["activations"] == activation_bytes(arch, 1, 8192, 2, True, mask=False)
+    # 32 layers x 4096 x 8192 x 2 B of checkpoints + 2 blocks of (6h + 4q + 4i + heads) x 8192 x 2 B + final 3h
+    per_token = 32 * 4096 * 2 + 2 * (6 * 4096 + 4 * 4096 + 4 * 14336 + 32) * 2 + 3 * 4096 * 2
+    assert sliced.rows["activations"] == per_token * 8192
+    assert sliced.rows["logits chunk"] == 64 * 128256 * (2 + 16)  # [1 row, 64 positions of the slice, vocab]
+    for row in ("weights", "gradients", "optimizer states", "rollout"):
+        assert sliced.rows[row] == whole.rows[row], row
+    assert "8192 positions per rank (hw.sp_size=8)" in sliced.notes["activations"]
+
+
+def test_max_response_is_the_longest_that_fits_and_grows_with_the_sequence_parallel_group():
+    """`rlcli plan --max-response`: the answer T fits and T + 1 does not (for the whole step and for the update
+    alone); the update alone grows about N-fold with hw.sp_size=N, the whole step not past one sequence in vLLM's KV
+    cache (generation is not split), and hw.sp_size is offered as a fix where the plan does not fit."""
+    from rlcli.plan.report import longest_responses
+
+    cfg = compose(*LONG)
+    answers = {n: (whole, update) for n, whole, update in longest_responses(cfg)}
+    assert list(answers) == [1, 2, 4, 8]
+    for n, (whole, update) in answers.items():
+        for tokens, fits in ((whole, lambda q: q.fits), (update, lambda q: q.shape["update_peak"] <= q.device)):
+            at = [estimate(with_overrides(cfg, {"hw.sp_size": n, "rollout.max_new_tokens": t})) for t in (tokens, tokens + 1)]
+            assert fits(at[0]) and not fits(at[1]), (n, tokens)
+    assert answers[8][1] > 3.5 * answers[2][1] and answers[8][0] == answers[2][0]  # the KV cache binds the whole step
+    big = compose(*LONG, f"rollout.max_new_tokens={answers[1][1] * 2}")
+    assert "hw.sp_size=2" in render(big, estimate(big))
+    out = subprocess.run([sys.executable, "-m", "rlcli", "plan", *LONG, "--max-response"], cwd=ROOT, capture_output=True,
+                         text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert ["hw.sp_size=8", f"{answers[8][0]:,}", f"{answers[8][1]:,}"] in [line.split() for line in out.stdout.splitlines()]
+
+
 # The headline command without its fit (conf/fit/qwen2.5-32b_8xa100.yaml): what it planned before.
 UNFITTED = ["hw.offload_optimizer=false", "rollout.tensor_parallel_size=1", "rollout.sleep_mode=false",
             "rollout.gpu_memory_utilization=0.4"]

@@ -238,8 +238,17 @@ def auto_budget_memory() -> float:
     return (at[0] + at[1]) / 2 / GIB
 
 
+SP = ["hw.share_prompts=false", "hw.sp_size=2"]
+"""Sequence parallelism over the two ranks of the torchrun (each row's positions in two slices; no shared prompt)."""
+SP_CASES = {name: SHARED_CASES[name] for name in ("grpo", "dapo", "dr_grpo", "gspo", "cispo", "ppo", "vapo", "lora")}
+SP_CASES["checkpointing"] = [*SHARED_CASES["grpo"], "model.gradient_checkpointing=true"]  # backward recomputes
+SP_BASE = {"gspo": "gspo-rows-two", "cispo": "cispo-rows-two", "zero3": "zero3-rows-two"}
+"""The sequence-parallel updates' baselines where a single process is not one: GSPO's and CISPO's 4 mini-batches are
+each rank's own groups, so their baseline is the two ranks' data-parallel update; the others' is one process's."""
+
+
 @pytest.fixture(scope="module")
-def updates(tmp_path_factory):
+def updates(tmp_path_factory, calculator_cache):
     """Every update this file compares, on one fixed batch: those of one process in one helper process, those of
     two in one torchrun (one start-up each, not one per update)."""
     one = {f"{agg}-{algo}": loss_case(agg, algo) for agg, algo in LOSS_CASES}
@@ -251,9 +260,17 @@ def updates(tmp_path_factory):
     # Each group's prompt once (hw.share_prompts, the default) against a forward per row, for every algorithm.
     shared = {f"{name}-{kind}": [*extra, f"hw.share_prompts={kind == 'shared'}"]
               for name, extra in SHARED_CASES.items() for kind in ("shared", "rows")}
-    single = one_update(tmp_path_factory.mktemp("one"), 1, {**one, **micro, **zero, **shared})
+    # A multi-turn batch (the calculator's warm start calls the tool in half its rows): observation tokens in rows.
+    turns = ["env=calculator", f"model.path={calculator_cache[1]}", "model.name=hf", "hw.micro_batch=6",
+             "rollout.max_new_tokens=48"]
+    checkpointing = {"checkpointing-rows": [*SP_CASES["checkpointing"], "hw.share_prompts=false"]}
+    single = one_update(tmp_path_factory.mktemp("one"), 1, {**one, **micro, **zero, **shared, **checkpointing,
+                                                            "multiturn-rows": [*turns, "hw.share_prompts=false"]})
     two = one_update(tmp_path_factory.mktemp("two"), 2, {**one, **{f"zero3-{kind}": [
-        "hw.zero_stage=3", "hw.micro_batch=3", f"hw.share_prompts={kind == 'shared'}"] for kind in ("shared", "rows")}})
+        "hw.zero_stage=3", "hw.micro_batch=3", f"hw.share_prompts={kind == 'shared'}"] for kind in ("shared", "rows")},
+        **{f"{name}-rows": [*SHARED_CASES[name], "hw.share_prompts=false"] for name in ("gspo", "cispo")},
+        **{f"{name}-sp": [*extra, *SP] for name, extra in SP_CASES.items()},
+        "zero3-sp": ["hw.zero_stage=3", "hw.micro_batch=3", *SP], "multiturn-sp": [*turns, *SP]})
     return single | {f"{name}-two": result for name, result in two.items()}
 
 
@@ -331,6 +348,36 @@ def test_each_groups_prompt_once_gives_the_update_of_a_forward_per_row(updates, 
         assert shared["metrics"][k] == pytest.approx(rows["metrics"][k], rel=1e-6, abs=1e-7), k
     for which in ("grads", "critic_grads"):
         a, b = rows[which], shared[which]
+        assert a.keys() == b.keys() and (which == "grads" or case not in ("ppo", "vapo") or a)
+        if not a:
+            continue
+        gap = torch.cat([(b[n] - g).flatten() for n, g in a.items()]).norm()
+        assert gap <= 1e-6 * torch.cat([g.flatten() for g in a.values()]).norm(), which
+        for n, g in a.items():
+            assert (b[n] - g).abs().max().item() <= 1e-5 * g.abs().max().item() + 1e-12, n
+
+
+@pytest.mark.parametrize("case", [*SP_CASES, "zero3", "multiturn"])
+def test_sequence_parallel_over_two_ranks_gives_the_update_of_whole_sequences(updates, case):
+    """hw.sp_size=2 on two ranks (each row's positions split in two slices, attention through DeepSpeed's Ulysses
+    all-to-all, the per-position outputs gathered) against the same batch without sequence parallelism (SP_BASE), for
+    grpo, dapo, dr_grpo, gspo, cispo, ppo and vapo (the critic's values and value loss too), LoRA, ZeRO-3, activation
+    checkpointing (the backward recomputes sliced forwards) and a multi-turn batch (observation tokens inside rows):
+    every loss and statistic to 1e-6 relative (1e-7 absolute), the gradient to 1e-6 in relative L2 norm, each tensor
+    within 1e-5 of its largest entry. Prompts of 1-3 digit operands: rows of different lengths, padded. A slice's
+    loss reduced over its own positions, a normalizer counting the group's pooled rows twice, or a gradient handed
+    back whole instead of sliced moves these by factors."""
+    sp, base = updates[f"{case}-sp-two"], updates[SP_BASE.get(case, f"{case}-rows")]
+    assert base["metrics"]["actor/grad_norm"] > 0
+    assert case not in SP_CASES or case in SP_BASE or len(base["prompt_lengths"]) > 1  # padded prompts
+    if case == "multiturn":
+        assert base["metrics"]["observed_rows"] > 0  # rows with tool output between their turns
+    keys = [k for k in base["metrics"] if k.startswith(("actor/", "critic/", "adv/")) and not k.endswith("lr")]
+    assert {"actor/pg_loss", "actor/entropy"} <= set(keys) and (case not in ("ppo", "vapo") or "critic/vf_loss" in keys)
+    for k in keys:
+        assert sp["metrics"][k] == pytest.approx(base["metrics"][k], rel=1e-6, abs=1e-7), k
+    for which in ("grads", "critic_grads"):
+        a, b = base[which], sp[which]
         assert a.keys() == b.keys() and (which == "grads" or case not in ("ppo", "vapo") or a)
         if not a:
             continue

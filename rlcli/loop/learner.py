@@ -20,6 +20,7 @@ import math
 import os
 from collections import defaultdict
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +48,7 @@ from rlcli.core.batch import RolloutBatch
 from rlcli.core.layout import forward_shape
 from rlcli.core.names import NEEDS_VALUES
 from rlcli.engine.collectives import agree_max, all_reduce, global_stats
+from rlcli.engine.sequence import sequence_parallel
 from rlcli.models import (
     DTYPES,
     autocast,
@@ -114,6 +116,7 @@ class Learner:
         self.off_policy = off_policy(cfg)  # recompute | bypass | decoupled (algo.off_policy, auto resolved)
         a = cfg.algo
         self.lockstep = eng.lockstep(cfg.hw)  # ZeRO-3 over ranks: every forward is a collective
+        self.sp = sequence_parallel(cfg.hw)  # hw.sp_size > 1: each sequence sliced over a group of ranks
         with eng.sharded_construction(cfg.hw, cfg.optim):  # ZeRO-3: each rank loads only its partition
             model, self.tokenizer = load_policy(trained_model(cfg), model_path)
         self.device = eng.device(cfg.hw)
@@ -145,11 +148,19 @@ class Learner:
                 critic.gradient_checkpointing_enable()
             self.critic = eng.Engine(critic, cfg.hw, cfg.optim, units.optimizer_steps + units.pretrain_optimizer_steps,
                                      lr=cfg.critic.lr, warmup_steps=cfg.critic.warmup_steps)
+        if self.sp is not None:  # every model that scores sliced sequences: one the Ulysses adapter covers
+            for role, m in (("policy", model), ("reference", self.ref),
+                            ("critic", None if self.critic is None else self.critic.module),
+                            ("teacher", None if self.teacher == SELF else self.teacher)):
+                if m is not None:
+                    self.sp.check(m, role)
         # hw.logits_chunk only where the chunked pass reproduces the model's own logits (checked once here).
         with autocast(cfg.hw):
             self.chunk, self.chunk_note = logits_chunk_for(self.actor.module, cfg.hw.logits_chunk)
             # hw.share_prompts only where a shared forward reproduces the rows' own (checked once here).
-            self.share, self.share_note = prompt_sharing_for(self.actor.module, cfg.hw.share_prompts)
+            self.share, self.share_note = (
+                prompt_sharing_for(self.actor.module, cfg.hw.share_prompts) if self.sp is None else
+                (False, f"off: hw.sp_size={self.sp.size} slices each sequence (Ulysses attention takes no mask)"))
 
     def load_teacher(self) -> torch.nn.Module:
         """The distillation teacher (distill.teacher): frozen, eval mode, in the student's dtype and precision, sharded
@@ -179,7 +190,15 @@ class Learner:
     # ------------------------------------------------------------------ stage 4: score
     def per_token(self, fn: Callable[..., Tensor], b: RolloutBatch) -> Tensor:
         """fn(prompt_ids, prompt_mask, response_ids, token_mask) -> [n, T'] over the (trimmed) micro-batches of
-        `b`, without grad; zero where response_mask is (padding, and the observations of multi-turn rows). -> [N, T]"""
+        `b`, without grad; zero where response_mask is (padding, and the observations of multi-turn rows). -> [N, T]
+        Under sequence parallelism the group scores its ranks' rows together, each rank its slice of every row."""
+        if self.sp is not None:
+            whole, own = self.sp.union(b)
+            with self.sp.sharding():
+                return self.per_token_of(fn, whole)[own]
+        return self.per_token_of(fn, b)
+
+    def per_token_of(self, fn: Callable[..., Tensor], b: RolloutBatch) -> Tensor:
         out = torch.zeros(b.response_mask.shape)  # [N, T]
         with torch.no_grad(), autocast(self.cfg.hw):
             for idx in self.micro_batches(b):
@@ -198,7 +217,8 @@ class Learner:
         model = self.actor.module if model is None else model
         t = self.cfg.rollout.temperature
         with eval_mode(model):
-            return self.per_token(lambda *x: response_logprobs(model, *x, t, chunk=self.chunk, share=self.share)[0], b)
+            return self.per_token(
+                lambda *x: response_logprobs(model, *x, t, chunk=self.chunk, share=self.share, sp=self.sp)[0], b)
 
     def reference_logprobs(self, b: RolloutBatch) -> Tensor:
         """Log-probs of `b`'s responses under the reference policy (the initial one). -> [N, T]"""
@@ -210,7 +230,7 @@ class Learner:
     def values(self, critic: torch.nn.Module, b: RolloutBatch) -> Tensor:
         """Critic values at `b`'s response positions, in eval mode. -> [N, T]"""
         with eval_mode(critic):
-            return self.per_token(lambda *x: response_values(critic, *x, share=self.share), b)
+            return self.per_token(lambda *x: response_values(critic, *x, share=self.share, sp=self.sp), b)
 
     def score(self, batch: RolloutBatch, step: int, phase: Phase) -> dict[str, Tensor]:
         """-> {old_logp, ref_logp, values, adv_values} [N, T] each, those this phase uses. old_logp is the
@@ -269,7 +289,7 @@ class Learner:
         gen = torch.Generator().manual_seed(self.cfg.seed * 7919 + self.actor.ds.global_steps)
         # Clip-Cov's draws: their own stream, a function of (seed, optimizer step, rank), so a resume repeats them
         self.cov_gen = torch.Generator().manual_seed((self.cfg.seed * 1_000_003 + self.actor.ds.global_steps) * 4099
-                                                     + eng.rank() + 1)
+                                                     + (eng.rank() if self.sp is None else self.sp.dp_rank) + 1)
         alpha = self.entropy_ctl.value  # this step's α (adaptive: set by the entropy of the steps before)
         groups = batch.groups
         engines = {"actor": self.actor if phase.trains_actor else None, "critic": self.critic}
@@ -278,49 +298,54 @@ class Learner:
         for engine in engines.values():
             if engine is not None:
                 engine.train()
-        for _ in range(a.ppo_epochs):
-            order = groups[torch.randperm(len(groups), generator=gen)] if a.mini_batches > 1 else groups
-            # Exactly mini_batches parts on every rank; ranks hold equal group counts, so an empty part
-            # (fewer groups than mini-batches, algo.train_on_partial) is empty on all ranks alike.
-            for mb_groups in order.tensor_split(a.mini_batches):
-                if not len(mb_groups):
-                    continue
-                mb = batch.select_groups(mb_groups)
-                norms = self.normalizers(mb)
-                micro = self.micro_batches(mb)
-                n_micro += len(micro)
-                mb_sums: dict[str, float] = defaultdict(float)
-                for i, idx in enumerate(micro):
-                    mbi, last = mb.select(idx).trimmed(), i == len(micro) - 1
-                    runs = prompt_runs(mbi.prompt_ids, mbi.prompt_mask)
-                    k, length = forward_shape(runs, mbi.prompt_ids.shape[1], mbi.response_ids.shape[1], self.share)
-                    slots += k * length
-                    prompts = mbi.prompt_mask if k == len(mbi) else mbi.prompt_mask[torch.tensor(runs).cumsum(0) - 1]
-                    real += float(prompts.sum() + mbi.token_mask.sum())  # each shared prompt once
-                    m: dict[str, float] = {}
-                    if engines["actor"] is not None:
-                        loss, m = self.micro_loss(mbi, norms, alpha)
-                        self.actor.backward(loss, last=last)
-                    if self.critic is not None:
-                        vf_loss, cm = self.micro_value_loss(mbi, norms)
-                        self.critic.backward(vf_loss, last=last)
-                        m.update(cm)
-                    for k, v in m.items():
-                        mb_sums[k] = max(mb_sums.get(k, -math.inf), v) if k.endswith("_max") else mb_sums[k] + v
-                # Micro-batch metrics are shares of mini-batch means: they add up over ranks too.
-                for op in ("sum", "max"):
-                    keys = sorted(k for k in mb_sums if k.endswith("_max") == (op == "max"))
-                    totals = all_reduce(torch.tensor([mb_sums[k] for k in keys], dtype=torch.float64), op)
-                    for k, v in zip(keys, totals.tolist()):
-                        sums[k] = max(sums.get(k, -math.inf), v) if op == "max" else sums[k] + v
-                for name, engine in engines.items():
-                    if engine is not None:
-                        res = engine.step()
-                        sums[f"{name}/grad_norm"] += res.grad_norm if math.isfinite(res.grad_norm) else 0.0
-                        sums[f"{name}/skipped_steps"] += 0.0 if res.applied else 1.0
-                n_updates += 1
+        with self.sharded():  # Ulysses attention through every forward and backward (sequence parallelism)
+            for _ in range(a.ppo_epochs):
+                order = groups[torch.randperm(len(groups), generator=gen)] if a.mini_batches > 1 else groups
+                # Exactly mini_batches parts on every rank; ranks hold equal group counts, so an empty part
+                # (fewer groups than mini-batches, algo.train_on_partial) is empty on all ranks alike.
+                for mb_groups in order.tensor_split(a.mini_batches):
+                    if not len(mb_groups):
+                        continue
+                    mb = batch.select_groups(mb_groups)
+                    if self.sp is not None:  # the group's ranks pool their rows: each rank a slice of every row
+                        mb = self.sp.union(mb)[0]
+                    norms = self.normalizers(mb)
+                    micro = self.micro_batches(mb)
+                    n_micro += len(micro)
+                    mb_sums: dict[str, float] = defaultdict(float)
+                    for i, idx in enumerate(micro):
+                        mbi, last = mb.select(idx).trimmed(), i == len(micro) - 1
+                        runs = prompt_runs(mbi.prompt_ids, mbi.prompt_mask)
+                        k, length = forward_shape(runs, mbi.prompt_ids.shape[1], mbi.response_ids.shape[1], self.share)
+                        slots += k * length
+                        prompts = mbi.prompt_mask if k == len(mbi) else mbi.prompt_mask[torch.tensor(runs).cumsum(0) - 1]
+                        real += float(prompts.sum() + mbi.token_mask.sum())  # each shared prompt once
+                        m: dict[str, float] = {}
+                        if engines["actor"] is not None:
+                            loss, m = self.micro_loss(mbi, norms, alpha)
+                            self.actor.backward(loss, last=last)
+                        if self.critic is not None:
+                            vf_loss, cm = self.micro_value_loss(mbi, norms)
+                            self.critic.backward(vf_loss, last=last)
+                            m.update(cm)
+                        for k, v in m.items():
+                            mb_sums[k] = max(mb_sums.get(k, -math.inf), v) if k.endswith("_max") else mb_sums[k] + v
+                    # Micro-batch metrics are shares of mini-batch means: they add up over ranks too.
+                    for op in ("sum", "max"):
+                        keys = sorted(k for k in mb_sums if k.endswith("_max") == (op == "max"))
+                        totals = all_reduce(torch.tensor([mb_sums[k] for k in keys], dtype=torch.float64), op)
+                        totals = totals / self.replicas if op == "sum" else totals
+                        for k, v in zip(keys, totals.tolist()):
+                            sums[k] = max(sums.get(k, -math.inf), v) if op == "max" else sums[k] + v
+                    for name, engine in engines.items():
+                        if engine is not None:
+                            res = engine.step()
+                            sums[f"{name}/grad_norm"] += res.grad_norm if math.isfinite(res.grad_norm) else 0.0
+                            sums[f"{name}/skipped_steps"] += 0.0 if res.applied else 1.0
+                    n_updates += 1
         metrics = {k: v if k.endswith(("_max", "skipped_steps")) else v / max(n_updates, 1) for k, v in sums.items()}
         slots_all, real_all, micro_all = all_reduce(torch.tensor([float(slots), real, n_micro], dtype=torch.float64)).tolist()
+        slots_all, real_all = slots_all / self.replicas, real_all / self.replicas  # a group's ranks share their rows
         metrics["perf/padding_frac"] = 1.0 - real_all / max(slots_all, 1.0)
         metrics["perf/micro_batches"] = micro_all / self.units.world / max(n_updates, 1)
         metrics.update({f"{name}/lr": engine.lr() for name, engine in engines.items() if engine is not None})
@@ -329,11 +354,21 @@ class Learner:
             self.entropy_ctl.update(metrics["actor/entropy"])
         return metrics
 
+    @property
+    def replicas(self) -> int:
+        """How many ranks hold each row of an update: the sequence-parallel group's size (they pool their rows)."""
+        return 1 if self.sp is None else self.sp.size
+
+    def sharded(self) -> Any:
+        """The sequence-parallel group's `sharding()` (Ulysses attention), or nothing to do."""
+        return nullcontext() if self.sp is None else self.sp.sharding()
+
     def normalizers(self, mb: RolloutBatch) -> dict[str, float]:
-        """Loss normalizers over the whole optimizer mini-batch: all micro-batches and all ranks."""
+        """Loss normalizers over the whole optimizer mini-batch: all micro-batches and all ranks (a row pooled by a
+        sequence-parallel group counted once)."""
         num_tokens, num_seqs = aggregation_counts(mb.loss_mask)
         correct_tokens = (mb.loss_mask * (mb.acc > 0.5)[:, None]).sum()
-        tot = all_reduce(torch.stack([num_tokens, num_seqs, correct_tokens.to(num_tokens.dtype)]))
+        tot = all_reduce(torch.stack([num_tokens, num_seqs, correct_tokens.to(num_tokens.dtype)])) / self.replicas
         return {
             "num_tokens": max(tot[0].item(), 1.0),
             "num_seqs": max(tot[1].item(), 1.0),
@@ -354,7 +389,7 @@ class Learner:
             teacher = response_log_softmax(self.teacher, *inputs, t, self.share) if full_kl else None  # [n, T, V]
             logp, entropy, kl_full = response_outputs(
                 self.actor.module, *inputs, t, with_entropy=True, entropy_grad=alpha != 0, chunk=self.chunk,
-                kl_to=teacher, share=self.share,
+                kl_to=teacher, share=self.share, sp=self.sp,
             )  # [n, T] each, fp32
         old = logp.detach()  # on-policy: the ratio is exactly 1 and its gradient is ∇log π
         if self.off_policy == "bypass":
@@ -422,7 +457,7 @@ class Learner:
         mask = mb.loss_mask.to(self.device)
         with autocast(self.cfg.hw):
             head = response_head_outputs(self.critic.module, mb.prompt_ids, mb.prompt_mask, mb.response_ids,
-                                         mb.token_mask, self.share)  # [n, T, K] fp32
+                                         mb.token_mask, self.share, self.sp)  # [n, T, K] fp32
         loss, cm = critic_loss(head, mb.values.to(self.device), mb.returns.to(self.device), mask,
                                self.critic.module.spec, self.cfg.algo.value_clip, norms["num_tokens"])
         share = mask.sum().item() / norms["num_tokens"]

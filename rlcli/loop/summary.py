@@ -26,7 +26,9 @@ def startup_summary(t: Any) -> str:
         f"  precision      {precision_note(hw, r.engine)}",
         f"  hardware       {hw.name}: device {hw.device}, world size {world_size(hw)}"
         + (f" ({u.world} training, {rollout_ranks(cfg)} rollout rank(s))" if rollout_ranks(cfg) else "")
-        + f", ZeRO-{hw.zero_stage}",
+        + f", ZeRO-{hw.zero_stage}"
+        + (f"; sequence parallel: groups of {hw.sp_size} ranks (Ulysses attention), data-parallel size "
+           f"{u.world // hw.sp_size}" if hw.sp_size > 1 else ""),
         "  rollout        " + (f"{r.engine}, synchronous in each training process" if not asynchronous(cfg)
                                else f"asynchronous: {rollout_ranks(cfg)} rollout rank(s) with their own {r.engine} "
                                f"engine, max_staleness {staleness(cfg)}, off_policy {off_policy(cfg)}"),

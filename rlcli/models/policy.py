@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -188,6 +188,55 @@ def joint(
     return Joint(inputs, at.to(device), tp, runs)
 
 
+@dataclass(frozen=True)
+class Slices:
+    """A micro-batch laid out for sequence parallelism (hw.sp_size = N; rlcli.engine.sequence): this rank's slice of
+    the positions of every row.
+
+    Each row's real tokens (prompt, then response, observations included) are moved to positions 0.. without padding
+    in between, and the rows are right-padded to a common length L, a multiple of N; rank r holds positions
+    [r·L/N, (r+1)·L/N). Causal attention over the whole positions is then the whole mask (padding only follows a
+    row's tokens), which is what the Ulysses attention computes; position ids are the positions, as `joint_inputs`
+    counts them. The forward of a slice scores every position of it; `pick` gathers those per-position outputs from
+    the group and takes the state before each response token."""
+
+    inputs: dict[str, Tensor]  # input_ids, position_ids [n, L/N] this rank's slice; attention_mask None
+    targets: Tensor  # [n, L/N] the token after each position of the slice
+    at: Tensor  # [n, T] the position of the state before each response token, in [0, L)
+    sp: Any  # the group: gather()
+
+    def pick(self, out: Tensor) -> Tensor:
+        """Outputs [n, L/N, ...] of this slice -> [n, T, ...] at the states before the response tokens."""
+        whole = self.sp.gather(out)  # [n, L, ...]
+        at = self.at.reshape(*self.at.shape, *[1] * (whole.dim() - 2)).expand(*self.at.shape, *whole.shape[2:])
+        return whole.gather(1, at)
+
+
+def slices(
+    prompt_ids: Tensor,  # [n, Tp] left-padded
+    prompt_mask: Tensor,  # [n, Tp]
+    response_ids: Tensor,  # [n, T] right-padded
+    token_mask: Tensor,  # [n, T]
+    device: torch.device,
+    sp: Any,  # rlcli.engine.sequence.SequenceParallel: size, rank, gather
+) -> Slices:
+    """The `Slices` layout of a micro-batch on this rank."""
+    ids = torch.cat([prompt_ids, response_ids], 1)  # [n, Tp+T]
+    real = torch.cat([prompt_mask, token_mask.to(prompt_mask.dtype)], 1).bool()  # [n, Tp+T]
+    pos = (real.long().cumsum(-1) - 1).clamp(min=0)  # [n, Tp+T] the position of each token
+    n, tp = prompt_ids.shape
+    width = -(-max(int(real.sum(-1).max()) if n else 1, 1) // sp.size) * sp.size  # L
+    packed = torch.zeros(n, width, dtype=ids.dtype)  # [n, L] the rows' real tokens from position 0, then 0s
+    packed[torch.arange(n)[:, None].expand_as(ids)[real], pos[real]] = ids[real]
+    targets = torch.cat([packed[:, 1:], packed[:, :1]], 1)  # [n, L]; the last position predicts nothing used
+    part = width // sp.size
+    lo = sp.rank * part
+    inputs = {"input_ids": packed[:, lo : lo + part].to(device), "attention_mask": None,
+              "position_ids": torch.arange(lo, lo + part).expand(n, part).to(device)}
+    at = (pos[:, tp:] - 1).clamp(min=0)  # [n, T] the state before response token j sits at its position - 1
+    return Slices(inputs, targets[:, lo : lo + part].to(device), at.to(device), sp)
+
+
 def response_logprobs(
     model: torch.nn.Module,
     prompt_ids: Tensor,  # [n, Tp]
@@ -199,6 +248,7 @@ def response_logprobs(
     entropy_grad: bool = False,
     chunk: int = 0,
     share: bool = False,
+    sp: Any = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs of the response tokens under `model`, logits divided by the sampling temperature.
 
@@ -214,9 +264,12 @@ def response_logprobs(
 
     With `share`, rows next to each other with the same prompt (a group's G responses) share one forward of it
     (`Joint`, where the model's attention implementation takes its mask): the same outputs up to rounding.
+
+    With `sp` (a sequence-parallel group, inside its `sharding()`), each rank runs its slice of every row's positions
+    (`Slices`) and the per-position outputs are gathered: the same outputs up to rounding, on every rank of the group.
     """
     logp, entropy, _ = response_outputs(model, prompt_ids, prompt_mask, response_ids, token_mask, temperature,
-                                        with_entropy, entropy_grad, chunk, share=share)
+                                        with_entropy, entropy_grad, chunk, share=share, sp=sp)
     return logp, entropy
 
 
@@ -232,18 +285,25 @@ def response_outputs(
     chunk: int = 0,
     kl_to: Tensor | None = None,  # [n, T, V] another policy's log-softmax at the same temperature, no grad
     share: bool = False,
+    sp: Any = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """`response_logprobs`' one pass, and with `kl_to` also the exact reverse KL to that policy at every response
     position, KL(π ‖ π_other)_t = Σ_v π(v) (log π(v) − log π_other(v)) over the whole vocabulary, in the graph
     (on-policy distillation's full-vocabulary term, distill.full_kl_coef). -> (logp, entropy or None, kl or None),
     [n, T] each."""
     device = next(model.parameters()).device
-    layout = joint(prompt_ids, prompt_mask, response_ids, token_mask, device, sharing(model, share))
-    targets = response_ids.to(device)  # [n, T]
+    if sp is None:  # the states before the response tokens are scored
+        layout: Joint | Slices = joint(prompt_ids, prompt_mask, response_ids, token_mask, device, sharing(model, share))
+        before, after, targets = layout.pick, _same, response_ids.to(device)  # [n, T]
+    else:  # every position of this rank's slice is scored, then the response tokens' are picked from the group's
+        if kl_to is not None:
+            raise ValueError("the full-vocabulary KL is not computed under sequence parallelism (hw.sp_size > 1)")
+        layout = slices(prompt_ids, prompt_mask, response_ids, token_mask, device, sp)
+        before, after, targets = _same, layout.pick, layout.targets  # [n, L/N]
     if not chunk:
-        logits = layout.pick(model(**layout.inputs, use_cache=False).logits)  # [n, T, V] predicts response tokens
-        return _token_outputs(logits, targets, temperature, with_entropy, entropy_grad, kl_to)
-    hidden = layout.pick(model.get_decoder()(**layout.inputs, use_cache=False).last_hidden_state)  # [n, T, H]
+        logits = before(model(**layout.inputs, use_cache=False).logits)  # [n, t, V] predicts `targets`
+        return _picked(after, _token_outputs(logits, targets, temperature, with_entropy, entropy_grad, kl_to))
+    hidden = before(model.get_decoder()(**layout.inputs, use_cache=False).last_hidden_state)  # [n, t, H]
     head = model.get_output_embeddings()
 
     def part(h: Tensor, y: Tensor, other: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:  # [n, c, H], [n, c] -> [n, c]
@@ -256,9 +316,17 @@ def response_outputs(
         torch.utils.checkpoint.checkpoint(part, h, y, o, use_reentrant=False) if torch.is_grad_enabled() else part(h, y, o)
         for h, y, o in zip(hidden.split(chunk, 1), targets.split(chunk, 1), others)
     ]
-    logp = torch.cat([p[0] for p in parts], 1)  # [n, T]
-    return (logp, torch.cat([p[1] for p in parts], 1) if with_entropy else None,
-            torch.cat([p[2] for p in parts], 1) if kl_to is not None else None)
+    logp = torch.cat([p[0] for p in parts], 1)  # [n, t]
+    return _picked(after, (logp, torch.cat([p[1] for p in parts], 1) if with_entropy else None,
+                           torch.cat([p[2] for p in parts], 1) if kl_to is not None else None))
+
+
+def _same(x: Tensor) -> Tensor:
+    return x
+
+
+def _picked(pick: Callable[[Tensor], Tensor], outs: tuple[Tensor | None, ...]) -> Any:
+    return tuple(None if o is None else pick(o) for o in outs)
 
 
 def response_log_softmax(model: torch.nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,

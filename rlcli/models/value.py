@@ -269,17 +269,20 @@ def response_head_outputs(
     response_ids: Tensor,  # [n, T]
     token_mask: Tensor,  # [n, T] RolloutBatch.token_mask
     share: bool = False,
+    sp: Any = None,
 ) -> Tensor:
     """Raw head outputs [n, T, K] for the state before each response token; 0 at masked positions.
 
-    Same layout (`rlcli.models.policy.joint`: shared prompts with `share`), position ids and positions as
-    `rlcli.models.response_logprobs`: the hidden state before token t has seen the prompt and response tokens < t,
-    and position ids count only real tokens, so extra left padding of a prompt changes nothing.
+    Same layout (`rlcli.models.policy.joint`: shared prompts with `share`; `slices` with a sequence-parallel group
+    `sp`), position ids and positions as `rlcli.models.response_logprobs`: the hidden state before token t has seen
+    the prompt and response tokens < t, and position ids count only real tokens, so extra left padding of a prompt
+    changes nothing.
     """
-    from rlcli.models.policy import joint, sharing
+    from rlcli.models.policy import joint, sharing, slices
 
     device = next(critic.parameters()).device
-    layout = joint(prompt_ids, prompt_mask, response_ids, token_mask, device, sharing(critic, share))
+    layout = (joint(prompt_ids, prompt_mask, response_ids, token_mask, device, sharing(critic, share)) if sp is None
+              else slices(prompt_ids, prompt_mask, response_ids, token_mask, device, sp))
     head_out = critic(**layout.inputs, return_head_outputs=True)
     head_out = layout.pick(head_out).float()  # [n, T, K] state before each response token (fp32 under autocast)
     valid = token_mask.to(device).bool()[..., None]  # [n, T, 1]
@@ -293,9 +296,10 @@ def response_values(
     response_ids: Tensor,  # [n, T]
     token_mask: Tensor,  # [n, T] RolloutBatch.token_mask
     share: bool = False,
+    sp: Any = None,
 ) -> Tensor:
     """Values [n, T] float32 of the state before each response token; exactly 0 at masked positions."""
-    head_out = response_head_outputs(critic, prompt_ids, prompt_mask, response_ids, token_mask, share)  # [n, T, K]
+    head_out = response_head_outputs(critic, prompt_ids, prompt_mask, response_ids, token_mask, share, sp)  # [n, T, K]
     values = critic.spec.reduce(head_out)  # [n, T]
     valid = token_mask.to(values.device).bool()
     return torch.where(valid, values, torch.zeros_like(values))

@@ -7,7 +7,7 @@ from rlcli.core.layout import forward_shape
 from rlcli.plan.shapes import Arch
 
 
-def activation_elements_per_token(arch: Arch, seq: int) -> int:
+def activation_elements_per_token(arch: Arch, seq: int, mask: bool = True) -> int:
     """Elements one Llama/Qwen2 block keeps for backward per token, counted like Korthikanti et al. 2022 §4.1
     for this block and checked with torch's saved-tensor hooks on Llama blocks with and without grouped-query
     attention (tests/test_plan.py): each RMSNorm's input and normalised input (2h each) and its weighted output
@@ -15,19 +15,22 @@ def activation_elements_per_token(arch: Arch, seq: int) -> int:
     query's width too (with a padding mask HF's SDPA path repeats a grouped-query model's key/value heads before
     attention, and attention keeps the repeated ones), the SwiGLU MLP's gate, SiLU(gate), up and their product
     (4 x intermediate), SDPA's log-sum-exp (one per head) and the [seq, seq] attention mask of a padded batch (seq
-    per token). No dropout masks (these models have none)."""
+    per token; none under sequence parallelism, `mask` false: Ulysses attention is causal without a mask). No dropout
+    masks (these models have none)."""
     q = arch.heads * arch.head_dim
-    return 6 * arch.hidden + 4 * q + 4 * arch.intermediate + arch.heads + seq
+    return 6 * arch.hidden + 4 * q + 4 * arch.intermediate + arch.heads + (seq if mask else 0)
 
 
-def activation_bytes(arch: Arch, rows: int, seq: int, act_bytes: int, checkpointing: bool) -> float:
+def activation_bytes(arch: Arch, rows: int, seq: int, act_bytes: int, checkpointing: bool, mask: bool = True) -> float:
     """Activations alive at the peak of a backward over [rows, seq] tokens. Without checkpointing every block
     keeps activation_elements_per_token; with it (HF gradient checkpointing, one checkpoint per block) each
     block keeps only its input (h per token; Korthikanti et al.: 2sbh bytes per layer in 16-bit) and the
     block being differentiated is rebuilt. Either way the backward holds the gradients of one block's
-    activations at a time (one more block's worth), and the final RMSNorm keeps 3h."""
+    activations at a time (one more block's worth), and the final RMSNorm keeps 3h. Under sequence parallelism `seq`
+    is a rank's slice of the positions: after the all-to-all a rank attends over all positions with 1/N of the heads,
+    the same number of elements."""
     tokens = rows * seq
-    block = activation_elements_per_token(arch, seq) * tokens * act_bytes
+    block = activation_elements_per_token(arch, seq, mask) * tokens * act_bytes
     final = 3 * arch.hidden * tokens * act_bytes
     kept = arch.layers * arch.hidden * tokens * act_bytes + block if checkpointing else arch.layers * block
     return kept + block + final

@@ -175,18 +175,26 @@ def _estimate(cfg: Any, prompt: tuple[int, str], budget: int | None, budget_note
     p, g = u.P, u.G
     tp, tp_note = prompt
     seq = tp + r.max_new_tokens
-    mini_rows = max(1, p // world // a.mini_batches * g)
+    sp = hw.sp_size  # a sequence-parallel group pools its ranks' rows; each rank runs a slice of every row
+    mini_rows = max(1, p // (world // sp) // a.mini_batches * g)
     mb = min(hw.micro_batch, mini_rows)
     if budget:
         mb = largest(lambda n: micro_slots(cfg, tp, n) <= budget, 1, mb) or 1
     k, length = micro_shape(mb, g, tp, r.max_new_tokens, shares_prompts(cfg))
-    rows["activations"] = activation_bytes(arch, k, length, activation_element_bytes(hw), m.gradient_checkpointing)
+    part = -(-length // sp)  # positions per rank
+    rows["activations"] = activation_bytes(arch, k, part, activation_element_bytes(hw), m.gradient_checkpointing,
+                                           mask=sp == 1)
     notes["activations"] = (f"[{k} sequences, {length} tokens]"
-                            + (f" ({mb} rows, each group's prompt once)" if k < mb else "") + ", "
+                            + (f" ({mb} rows, each group's prompt once)" if k < mb else "")
+                            + (f", {part} positions per rank (hw.sp_size={sp})" if sp > 1 else "") + ", "
                             + f"{'gradient checkpointing' if m.gradient_checkpointing else 'no checkpointing'}"
                             + (", counted at fp32's 4 B under autocast (a bound)" if mixed_precision(hw) else ""))
-    rows["logits chunk"] = logits_bytes(arch, mb, tp, r.max_new_tokens, hw.logits_chunk, act_bytes, k * length)
-    c = min(hw.logits_chunk, r.max_new_tokens) if hw.logits_chunk else seq
+    if sp == 1:  # the response positions' logits, in chunks
+        rows["logits chunk"] = logits_bytes(arch, mb, tp, r.max_new_tokens, hw.logits_chunk, act_bytes, k * length)
+        c = min(hw.logits_chunk, r.max_new_tokens) if hw.logits_chunk else seq
+    else:  # every position of a rank's slice is scored, in chunks
+        rows["logits chunk"] = logits_bytes(arch, mb, 0, part, hw.logits_chunk, act_bytes, k * part)
+        c = min(hw.logits_chunk, part) if hw.logits_chunk else part
     notes["logits chunk"] = f"fp32 [{mb}, {c}, {arch.vocab}] x 4 + head output"
     if cfg.distill.teacher and cfg.distill.full_kl_coef > 0:  # the teacher's whole distributions, held for the update
         rows["teacher log-probs"] = mb * r.max_new_tokens * arch.vocab * 4.0
@@ -235,7 +243,7 @@ def _estimate(cfg: Any, prompt: tuple[int, str], budget: int | None, budget_note
     peak = static + max(update, rows[ROLLOUT])
     shape = {"psi": psi, "trainable": trainable, "world": world, "micro_rows": mb, "seq": seq, "prompt": tp,
              "prompt_note": tp_note, "budget": budget, "budget_note": budget_note, "gen_rows": gen_rows,
-             "kv_room_tokens": kv_room, "arch": arch, "phase": "update" if update >= rows[
+             "kv_room_tokens": kv_room, "arch": arch, "update_peak": static + update, "phase": "update" if update >= rows[
                  ROLLOUT] else "rollout", "resident": resident}
     return Plan(rows, notes, peak, dev, dev_note, host, shape, blockers)
 

@@ -32,6 +32,11 @@ def fixes(cfg: Any, plan: Plan) -> list[tuple[dict[str, Any], float, str]]:
                     "weights fetched from host RAM each pass: much slower"))
     if not m.gradient_checkpointing:
         out.append(({"model.gradient_checkpointing": True}, "about 1/3 more compute in the update"))
+    for n in (2, 4, 8, 16):  # sequence parallelism: a rank keeps the activations of 1/N of each sequence's positions
+        if n > hw.sp_size and s["world"] % n == 0 and s["arch"].heads % n == 0:
+            out.append(({"hw.sp_size": n}, f"each sequence split over {n} ranks: two all-to-alls per attention layer, "
+                                           f"data-parallel size / {n}"))
+            break
     if s["micro_rows"] > 1:
         best = largest_value(cfg, "hw.micro_batch", s["micro_rows"] - 1, dev, prompt)
         if best is not None:

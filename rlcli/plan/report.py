@@ -119,13 +119,57 @@ the device's memory (hw.device_memory_gb; null = this
 machine's GPU, or its RAM on CPU) and, when it does not fit, the changes to try with the estimate after each.
 The architecture comes from model.path's config.json (a local directory), model.arch (hub presets) or
 model.tiny. `rlcli train` runs the same check first (hw.check_memory). Formulas and sources: docs/memory.md.
+
+       rlcli plan --max-response [overrides]   the longest rollout.max_new_tokens whose plan fits the device, at
+                                                hw.sp_size as configured and at each larger one the ranks and the
+                                                attention heads allow (sequence parallelism: docs/sequence_parallel.md)
 """
+
+
+def longest_responses(cfg: Any, high: int = 1 << 25) -> list[tuple[int, int | None, int | None]]:
+    """`rlcli plan --max-response`: for hw.sp_size as configured and each larger one that divides the ranks and the
+    attention heads, the longest rollout.max_new_tokens (up to `high`) whose whole plan fits the device, and the
+    longest whose update alone fits (model states + the update's activations and logits: what a trainer without
+    generation, an SFT run, would need), everything else as configured; None when not even one token does. The
+    estimate grows with the response, so each is a search over it. -> [(sp_size, whole plan, update alone)]"""
+    from rlcli.core.topology import trainer_ranks
+    from rlcli.plan.estimate import largest
+    from rlcli.plan.inputs import prompt_tokens
+
+    prompt, heads = prompt_tokens(cfg), estimate(cfg).shape["arch"].heads
+    sizes = [n for n in (1, 2, 4, 8, 16, 32, 64) if n >= cfg.hw.sp_size and trainer_ranks(cfg) % n == 0 and heads % n == 0]
+
+    def plan_at(n: int, tokens: int) -> Plan:
+        buffer = min(cfg.rollout.overlong_buffer_len, tokens)
+        return estimate(with_overrides(cfg, {"hw.sp_size": n, "rollout.max_new_tokens": tokens,
+                                             "rollout.overlong_buffer_len": buffer}), prompt)
+
+    def update_fits(q: Plan) -> bool:
+        return q.device is not None and q.shape["update_peak"] <= q.device
+
+    return [(n, largest(lambda t, n=n: bool(plan_at(n, t).fits), 1, high),
+             largest(lambda t, n=n: update_fits(plan_at(n, t)), 1, high)) for n in sizes]
+
+
+def render_longest(cfg: Any, answers: list[tuple[int, int | None, int | None]]) -> str:
+    def text(tokens: int | None) -> str:
+        return "not one token" if tokens is None else f"{tokens:,}"
+
+    lines = [f"the longest response that fits, in tokens (rollout.max_new_tokens; model={cfg.model.name} hw={cfg.hw.name} "
+             f"x {cfg.hw.nproc * cfg.hw.nnodes} ranks, everything else as configured):",
+             f"  {'':<14}{'whole step':>14}{'update alone':>16}"]
+    lines += [f"  hw.sp_size={n:<3}{text(whole):>14}{text(update):>16}" for n, whole, update in answers]
+    lines.append("  (whole step: generation too, whose KV cache sequence parallelism does not split; update alone: model "
+                 "states + activations + logits)")
+    return "\n".join(lines)
 
 
 def main(argv: list[str]) -> int:
     if "--help" in argv or "-h" in argv:
         print(HELP)
         return 0
+    longest = "--max-response" in argv
+    argv = [a for a in argv if a != "--max-response"]
     from hydra import compose, initialize_config_dir
 
     from rlcli.config import CONF_DIR, register_configs, validate
@@ -134,6 +178,13 @@ def main(argv: list[str]) -> int:
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         cfg = compose("config", overrides=argv)
     validate(cfg)  # a ConfigError: rlcli's one-line error, exit status 2 (rlcli.commands.cli.main)
+    if longest:
+        if estimate(cfg).device is None:
+            from rlcli.core.schema import ConfigError
+
+            raise ConfigError("rlcli plan --max-response needs the device's memory: set hw.device_memory_gb")
+        print(render_longest(cfg, longest_responses(cfg)))
+        return 0
     plan = estimate(cfg)
     print(render(cfg, plan))
     return 0 if plan.fits is not False else 1

@@ -48,6 +48,7 @@ def one_update(frozen: str) -> tuple[dict, int]:
     metrics = {**sampling_metrics(b, [b], {}, counts | reward_counts), **t.learner.batch_metrics(b), **kl_metrics,
                **t.learner.update(b, phase)}
     prompt_lengths = sorted(set(b.prompt_mask.sum(-1).long().tolist()))
+    metrics["observed_rows"] = float((b.token_mask != b.response_mask).any(-1).sum())  # multi-turn rows (this rank)
     t.rewards.close()
     return {"metrics": metrics, **grads, "prompt_lengths": prompt_lengths}, t.rank
 
