@@ -344,10 +344,11 @@ def test_each_groups_prompt_once_gives_the_update_of_a_forward_per_row(updates, 
 
 
 def same_update(other: dict, base: dict, case: str) -> None:
-    """`other`'s update equals `base`'s: every actor, critic and advantage statistic to 1e-6 relative (1e-7 absolute),
-    the gradients (the critic's too, for ppo and vapo) to 1e-6 in relative L2 norm, each tensor within 1e-5 of its
-    largest entry."""
+    """`other`'s update equals `base`'s: the per-token log-probs of the batch to 1e-6 (fp32), every actor, critic and
+    advantage statistic to 1e-6 relative (1e-7 absolute), the gradients (the critic's too, for ppo and vapo) to 1e-6
+    in relative L2 norm, each tensor within 1e-5 of its largest entry."""
     assert base["metrics"]["actor/grad_norm"] > 0
+    assert (other["logprobs"] - base["logprobs"]).abs().max() <= 1e-6 and base["logprobs"].abs().max() > 1
     keys = [k for k in base["metrics"] if k.startswith(("actor/", "critic/", "adv/")) and not k.endswith("lr")]
     assert {"actor/pg_loss", "actor/entropy"} <= set(keys) and (case not in ("ppo", "vapo") or "critic/vf_loss" in keys)
     for k in keys:
@@ -438,6 +439,22 @@ def test_two_nodes_on_localhost_train_like_cpu_x2(tmp_path, x2_run):
     assert [r["step"] for r in two_nodes] == [1, 2, 3]
     for k in ("actor/pg_loss", "actor/grad_norm", "reward/mean", "acc/mean", "response_length/mean"):
         assert two_nodes[0][k] == pytest.approx(x2[0][k], rel=1e-6, abs=1e-9), k
+
+
+def test_sequence_parallel_over_two_ranks_trains_like_data_parallel(tmp_path, x2_run):
+    """hw=cpu_x2 hw.sp_size=2: the two ranks form one sequence-parallel group (each row's positions in two slices,
+    Ulysses attention, the KL reference sliced too) and train the same 3 steps as the two data-parallel ranks: every
+    step's loss, gradient norm, KL and batch statistics to 1e-5 relative (no shared prompts here: rounding)."""
+    run = tmp_path / "sp"
+    out = rlcli(tmp_path, "train", "hw=cpu_x2", "hw.sp_size=2", "hw.collective_timeout_s=120", "save=false",
+                f"hydra.run.dir={run}", *COMMON_X2)
+    assert "sequence parallel: groups of 2 ranks (Ulysses attention), data-parallel size 1" in out.stdout + out.stderr
+    x2, sp = train_steps(x2_run), train_steps(run)
+    assert [r["step"] for r in sp] == [1, 2, 3]
+    for a, b in zip(x2, sp):
+        for k in ("actor/pg_loss", "actor/grad_norm", "actor/kl_loss", "actor/entropy", "reward/mean", "acc/mean",
+                  "response_length/mean"):
+            assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-7), (a["step"], k)
 
 
 def test_zero3_over_two_ranks_trains_like_zero0(tmp_path, x2_run):

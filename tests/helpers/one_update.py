@@ -1,10 +1,10 @@
 """Run one update of the trainer on a fixed batch for each of several configs, in 1 or N processes (torchrun), and
-dump each config's step-1 metrics and the gradient of its update. Every rank generates the same full batch of P
+dump each config's step-1 metrics, the gradient of its update, and the log-probs of the whole batch. Every rank generates the same full batch of P
 groups from the same seed, then keeps its own share of groups: the 1- and 2-process runs see the same data. The
 configs run one after another in the same processes (one start-up for all of them).
 
 usage: [torchrun --nproc_per_node=2] one_update.py <out.pt> <frozen config.yaml> [<frozen config.yaml> ...]
-       -> out.pt: {config file stem: {"metrics", "grads", "critic_grads", "prompt_lengths"}}
+       -> out.pt: {config file stem: {"metrics", "grads", "critic_grads", "prompt_lengths", "logprobs"}}
 """
 
 import gc
@@ -30,6 +30,7 @@ def one_update(frozen: str) -> tuple[dict, int]:
     b = t.rollout.generate([p["prompt"] for p in prompts], [p["answer"] for p in prompts], r.n, Sampling.of_rollout(r))
     b, reward_counts = t.rewards.reward_batch(b)
     b, _ = shape(b, cfg.algo, r)
+    logprobs = t.learner.logprobs(b)  # [N, T] the whole batch's, scored on every rank (sequence parallel: sliced)
     b = b.select_groups(b.groups[t.rank :: t.units.world])  # this rank's share of whole groups
     phase = rl_phase(cfg)
     b = b.replace(**t.learner.score(b, 1, phase))
@@ -50,7 +51,7 @@ def one_update(frozen: str) -> tuple[dict, int]:
     prompt_lengths = sorted(set(b.prompt_mask.sum(-1).long().tolist()))
     metrics["observed_rows"] = float((b.token_mask != b.response_mask).any(-1).sum())  # multi-turn rows (this rank)
     t.rewards.close()
-    return {"metrics": metrics, **grads, "prompt_lengths": prompt_lengths}, t.rank
+    return {"metrics": metrics, **grads, "prompt_lengths": prompt_lengths, "logprobs": logprobs}, t.rank
 
 
 def main() -> None:
