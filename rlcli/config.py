@@ -784,6 +784,10 @@ def validate_sequence_parallel(cfg: Any) -> None:
         raise ConfigError(f"hw.sp_size={n} runs attention through DeepSpeed's Ulysses, which wraps sdpa and flash "
                           f"attention, not model.attn_implementation={cfg.model.attn_implementation}: set "
                           "model.attn_implementation=sdpa")
+    if rollout_ranks(cfg):
+        raise ConfigError(f"hw.sp_size={n} with rollout.async.rollout_ranks={cfg.rollout['async'].rollout_ranks}: "
+                          "sequence-parallel groups are made over every rank, rollout ranks included; use "
+                          "rollout.async.rollout_ranks=0 (asynchronous rollout in the training ranks) or hw.sp_size=1")
     if cfg.distill.full_kl_coef > 0:
         raise ConfigError(f"distill.full_kl_coef={cfg.distill.full_kl_coef} compares whole next-token distributions "
                           f"per response position, which hw.sp_size={n} does not gather: set hw.sp_size=1, or use "
