@@ -1,4 +1,5 @@
-"""DeepSpeed, in exactly one module: process group, engine construction, optimizer steps, checkpoints, saving.
+"""DeepSpeed: process group, engine construction, optimizer steps, checkpoints, saving (and, in
+rlcli/engine/sequence.py, sequence parallelism's Ulysses attention).
 
 The policy (and the critic) are DeepSpeed engines on CPU and GPU alike (docs/design.md#engine). The loop
 owns gradient accumulation: it marks the accumulation boundary itself and scales each micro-batch
