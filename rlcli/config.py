@@ -900,6 +900,11 @@ def validate_switches(cfg: Any) -> None:
     if a.adv_estimator == "grpo_passk" and r.n < 2:
         raise ConfigError("algo.adv_estimator=grpo_passk credits each group's best response over its second best: "
                           f"it needs rollout.n >= 2, got {r.n}")
+    if a.entropy_control == "kl_cov" and units(cfg).on_policy and not r.replay.size and not staleness(cfg):
+        raise ConfigError("algo.entropy_control=kl_cov adds β·|logp − old_logp| on its tokens, which in an on-policy "
+                          "update (one epoch of one mini-batch) is 0 with a zero gradient: the run would be GRPO's bit "
+                          "for bit (measured). Give the update several optimizer steps per batch, e.g. "
+                          "algo.mini_batches=4 (recipe=frontier/kl_cov), or use algo.entropy_control=clip_cov")
     if not a.group_sampling and a.adv_estimator in GROUP_ESTIMATORS:
         raise ConfigError(
             f"algo.group_sampling=false samples each prompt once, but algo.adv_estimator={a.adv_estimator} "

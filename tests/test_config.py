@@ -220,6 +220,7 @@ def test_vapo_at_paper_scale_is_the_papers_batch():
     (["hw=cpu_x2", "hw.sp_size=2", "algo=distill", "distill.teacher=/x", "distill.full_kl_coef=1.0"], "does not gather"),
     (["hw=cpu_x2", "hw.nproc=3", "hw.sp_size=2", "rollout.async.max_staleness=1", "rollout.async.rollout_ranks=1"],
      "rollout ranks included"),
+    (["algo.entropy_control=kl_cov"], "is 0 with a zero gradient"),
 ])
 def test_a_switch_that_is_on_acts_or_fails_validation_with_the_fix(overrides, fix):
     with pytest.raises(ValueError, match=None) as e:

@@ -300,7 +300,7 @@ def test_adaptive_runs_logs_alpha_and_a_resume_restores_it(make_trainer):
 
 @pytest.mark.parametrize("mode, extra", [
     ("clip_cov", ["algo.clip_cov_ratio=0.05", "algo.clip_cov_lb=-100", "algo.clip_cov_ub=100"]),
-    ("kl_cov", ["algo.kl_cov_ratio=0.05"]),
+    ("kl_cov", ["algo.kl_cov_ratio=0.05", "algo.mini_batches=2"]),
 ])
 def test_one_step_of_each_covariance_control_runs_and_logs(make_trainer, mode, extra):
     from metric_names import undocumented
@@ -334,7 +334,7 @@ def test_the_update_loss_carries_the_controllers_alpha(make_trainer):
 
 @pytest.mark.parametrize("mode, extra", [
     ("clip_cov", ["algo.clip_cov_ratio=0.3", "algo.clip_cov_lb=-100", "algo.clip_cov_ub=100"]),
-    ("kl_cov", ["algo.kl_cov_ratio=0.3"]),
+    ("kl_cov", ["algo.kl_cov_ratio=0.3", "algo.mini_batches=2"]),
 ])
 def test_observation_tokens_are_never_selected_and_get_no_gradient(make_trainer, monkeypatch, mode, extra):
     """A multi-turn batch (tests/test_envs.py: tool results at response positions OBS carry loss mask 0): the tokens
