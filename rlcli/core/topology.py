@@ -43,3 +43,10 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def splits_heads(heads: int, kv_heads: int, sp_size: int) -> bool:
+    """Whether Ulysses attention can share a model's heads over a sequence-parallel group of `sp_size` ranks: each
+    rank attends with heads / sp_size query heads, and the key-value heads either split too or are replicated (they
+    divide the group's size)."""
+    return heads % sp_size == 0 and (kv_heads % sp_size == 0 or sp_size % kv_heads == 0)

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from rlcli.core.batch import RolloutBatch
 from rlcli.core.schema import ConfigError
+from rlcli.core.topology import splits_heads
 
 COVERED = ("llama", "qwen2", "qwen3", "mistral")
 """Model types whose attention layers call transformers' attention interface with position ids and a plain causal
@@ -92,7 +93,7 @@ class SequenceParallel:
             raise ConfigError(f"hw.sp_size={self.size}: the {role} runs attention {attention!r}; Ulysses wraps "
                               f"{', '.join(ATTENTIONS)}: set model.attn_implementation=sdpa")
         heads, kv = config.num_attention_heads, config.num_key_value_heads
-        if heads % self.size or (kv % self.size and self.size % kv):
+        if not splits_heads(heads, kv, self.size):
             raise ConfigError(f"hw.sp_size={self.size} must divide the {role}'s {heads} attention heads, and its {kv} "
                               "key-value heads must divide it or be divisible by it: each rank attends with a share "
                               "of the heads")

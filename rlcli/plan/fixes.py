@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from rlcli.core.topology import splits_heads
 from rlcli.plan.activations import kv_token_bytes
 from rlcli.plan.estimate import Plan, estimate, largest_value, with_overrides
 from rlcli.plan.states import compute_bytes
@@ -33,7 +34,7 @@ def fixes(cfg: Any, plan: Plan) -> list[tuple[dict[str, Any], float, str]]:
     if not m.gradient_checkpointing:
         out.append(({"model.gradient_checkpointing": True}, "about 1/3 more compute in the update"))
     for n in (2, 4, 8, 16):  # sequence parallelism: a rank keeps the activations of 1/N of each sequence's positions
-        if n > hw.sp_size and s["world"] % n == 0 and s["arch"].heads % n == 0:
+        if n > hw.sp_size and s["world"] % n == 0 and splits_heads(s["arch"].heads, s["arch"].kv_heads, n):
             out.append(({"hw.sp_size": n}, f"each sequence split over {n} ranks: two all-to-alls per attention layer, "
                                            f"data-parallel size / {n}"))
             break

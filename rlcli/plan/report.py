@@ -132,12 +132,13 @@ def longest_responses(cfg: Any, high: int = 1 << 25) -> list[tuple[int, int | No
     longest whose update alone fits (model states + the update's activations and logits: what a trainer without
     generation, an SFT run, would need), everything else as configured; None when not even one token does. The
     estimate grows with the response, so each is a search over it. -> [(sp_size, whole plan, update alone)]"""
-    from rlcli.core.topology import trainer_ranks
+    from rlcli.core.topology import splits_heads, trainer_ranks
     from rlcli.plan.estimate import largest
     from rlcli.plan.inputs import prompt_tokens
 
-    prompt, heads = prompt_tokens(cfg), estimate(cfg).shape["arch"].heads
-    sizes = [n for n in (1, 2, 4, 8, 16, 32, 64) if n >= cfg.hw.sp_size and trainer_ranks(cfg) % n == 0 and heads % n == 0]
+    prompt, arch = prompt_tokens(cfg), estimate(cfg).shape["arch"]
+    sizes = [n for n in (1, 2, 4, 8, 16, 32, 64)
+             if n >= cfg.hw.sp_size and trainer_ranks(cfg) % n == 0 and splits_heads(arch.heads, arch.kv_heads, n)]
 
     def plan_at(n: int, tokens: int) -> Plan:
         buffer = min(cfg.rollout.overlong_buffer_len, tokens)
