@@ -268,6 +268,17 @@ class HWConfig:
     attention through DeepSpeed's Ulysses (all-to-all over heads), so one response may be N times longer than one
     device holds (docs/sequence_parallel.md). Must divide the training ranks; the data-parallel size is ranks / N.
     Rollout is unchanged. 1 = off."""
+    tiled_mlp: bool = False
+    """Memory only: every block's MLP of the policy and the critic runs over tiles of the positions in the update
+    (DeepSpeed's TiledMLP, from ALST), keeping only its input for backward and recomputing one tile at a time there: the
+    [positions, intermediate] activations (4 x intermediate per position, most of a block's) are one tile's. One more
+    MLP forward per update; for long responses (docs/sequence_parallel.md)."""
+    tiled_mlp_positions: int | None = rng(None, ge=1)
+    """Positions per tile of hw.tiled_mlp; null = the model's hidden size (ALST's choice)."""
+    offload_checkpoints: bool = False
+    """Memory only: with model.gradient_checkpointing, each block's checkpointed input (hidden size per position and
+    block, what checkpointing keeps) waits in host memory until the backward recomputes the block (ALST's activation
+    checkpoint offload); on a GPU through pinned memory. For long responses (docs/sequence_parallel.md)."""
     max_tokens_per_micro_batch: int | str | None = rng("auto", ge=1, also=("auto",))
     """Memory only: also cap a micro-batch's token slots, rows x (longest prompt + longest response), or with
     hw.share_prompts groups x (longest prompt + rows of the largest group x longest response).
@@ -749,6 +760,7 @@ def validate(cfg: DictConfig | Any) -> None:
     if len(cfg.optim.betas) != 2:
         raise ConfigError(f"optim.betas={list(cfg.optim.betas)} must be two numbers [beta1, beta2], e.g. [0.9, 0.999]")
     validate_sequence_parallel(cfg)
+    validate_long_sequences(cfg)
     if hw.offload_params and hw.zero_stage != 3:
         raise ConfigError(f"hw.offload_params=true needs hw.zero_stage=3 (it offloads ZeRO-3's parameter "
                           f"partitions), not {hw.zero_stage}: set hw.zero_stage=3 or hw.offload_params=false")
@@ -769,6 +781,13 @@ def validate(cfg: DictConfig | Any) -> None:
             raise ConfigError("rollout.sleep_mode=true needs hw.device=cuda (vLLM sleep mode offloads GPU memory)")
     check_installed(cfg.logger)
     validate_switches(cfg)
+
+
+def validate_long_sequences(cfg: Any) -> None:
+    """hw.offload_checkpoints needs the checkpoints it moves."""
+    if cfg.hw.offload_checkpoints and not cfg.model.gradient_checkpointing:
+        raise ConfigError("hw.offload_checkpoints=true moves gradient checkpointing's kept block inputs to host "
+                          "memory: set model.gradient_checkpointing=true too")
 
 
 def validate_sequence_parallel(cfg: Any) -> None:

@@ -203,7 +203,8 @@ def test_sequence_parallel_counts_a_ranks_slice_of_each_sequence():
 
     whole, sliced = (estimate(compose(*LONG, "rollout.max_new_tokens=65280", f"hw.sp_size={n}")) for n in (1, 8))
     arch = whole.shape["arch"]
-    assert whole.rows["activations"] == activation_bytes(arch, 1, 65536, 2, True)  # prompt 256 + 65280
+    # one whole row per micro-batch: no padding, no shared prompt, so no mask (sdpa runs causal) with or without SP
+    assert whole.rows["activations"] == activation_bytes(arch, 1, 65536, 2, True, mask=False)  # prompt 256 + 65280
     assert sliced.rows["activations"] == activation_bytes(arch, 1, 8192, 2, True, mask=False)
     # 32 layers x 4096 x 8192 x 2 B of checkpoints + 2 blocks of (6h + 4q + 4i + heads) x 8192 x 2 B + final 3h
     per_token = 32 * 4096 * 2 + 2 * (6 * 4096 + 4 * 4096 + 4 * 14336 + 32) * 2 + 3 * 4096 * 2
@@ -212,6 +213,23 @@ def test_sequence_parallel_counts_a_ranks_slice_of_each_sequence():
     for row in ("weights", "gradients", "optimizer states", "rollout"):
         assert sliced.rows[row] == whole.rows[row], row
     assert "8192 positions per rank (hw.sp_size=8)" in sliced.notes["activations"]
+
+
+def test_alsts_savings_take_the_mlp_and_the_checkpoints_off_the_device():
+    """hw.tiled_mlp: a block keeps no [positions, intermediate] tensors, one tile's (4 x intermediate and their
+    gradients, for the hidden size's 4096 positions) live at a time; hw.offload_checkpoints: the 32 checkpoints per
+    position move from the device to host memory (the plan's host row); on a CPU device they stay where they are."""
+    cfg = [*LONG, "rollout.max_new_tokens=65280", "hw.sp_size=8"]
+    plain, saved = (estimate(compose(*cfg, *extra)) for extra in (
+        [], ["hw.tiled_mlp=true", "hw.offload_checkpoints=true"]))
+    # 2 blocks of (6h + 4q + heads) x 8192 x 2 B + final 3h + one tile: 2 x 4 x 14336 x 4096 positions x 2 B
+    assert saved.rows["activations"] == (2 * (6 * 4096 + 4 * 4096 + 32) * 2 + 3 * 4096 * 2) * 8192 + 2 * 4 * 14336 * 4096 * 2
+    assert saved.host - plain.host == 32 * 4096 * 8192 * 2
+    assert "(kept in host memory), the MLP in tiles of 4096 positions" in saved.notes["activations"]
+    tiles = estimate(compose(*cfg, "hw.tiled_mlp=true", "hw.tiled_mlp_positions=512"))
+    assert plain.rows["activations"] - tiles.rows["activations"] == 2 * 4 * 14336 * 2 * 8192 - 2 * 4 * 14336 * 512 * 2
+    on_cpu = [estimate(compose(*cfg, "hw.device=cpu", *extra)) for extra in ([], ["hw.offload_checkpoints=true"])]
+    assert on_cpu[0].rows["activations"] == on_cpu[1].rows["activations"] and on_cpu[0].host == on_cpu[1].host
 
 
 def test_max_response_is_the_longest_that_fits_and_grows_with_the_sequence_parallel_group():

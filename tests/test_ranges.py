@@ -280,7 +280,7 @@ OUT_OF_RANGE = {
     "model.warm_start.tool_demos": [1.5, -0.5], "model.warm_start.eval_size": [0],
     "hw.device": ["gpu", "mps"], "hw.nproc": [0], "hw.nnodes": [0], "hw.node_rank": [-1], "hw.zero_stage": [4, -1],
     "hw.precision": ["fp16", "fp8"], "hw.micro_batch": [0], "hw.max_tokens_per_micro_batch": [0, "max"],
-    "hw.logits_chunk": [-256], "hw.sp_size": [0, -2], "hw.device_memory_gb": [0, -80], "hw.peak_tflops": [0], "hw.memory_bandwidth_gbs": [0],
+    "hw.logits_chunk": [-256], "hw.sp_size": [0, -2], "hw.tiled_mlp_positions": [0, -8], "hw.device_memory_gb": [0, -80], "hw.peak_tflops": [0], "hw.memory_bandwidth_gbs": [0],
     "hw.host_link_gbs": [-1], "hw.num_threads": [0], "hw.master_port": [0, 65536, 70000],
     "hw.collective_timeout_s": [0], "hw.shutdown_timeout_s": [-1],
     "reward.weights": [NAN, INF], "reward.correct_score": [NAN], "reward.incorrect_score": [-INF],

@@ -242,6 +242,9 @@ SP = ["hw.share_prompts=false", "hw.sp_size=2"]
 """Sequence parallelism over the two ranks of the torchrun (each row's positions in two slices; no shared prompt)."""
 SP_CASES = {name: SHARED_CASES[name] for name in ("grpo", "dapo", "dr_grpo", "gspo", "cispo", "ppo", "vapo", "lora")}
 SP_CASES["checkpointing"] = [*SHARED_CASES["grpo"], "model.gradient_checkpointing=true"]  # backward recomputes
+ALST = ["model.gradient_checkpointing=true", "hw.offload_checkpoints=true", "hw.tiled_mlp=true",
+        "hw.tiled_mlp_positions=8"]
+"""ALST's savings beside Ulysses (rlcli/engine/alst.py): checkpoints in host memory, the MLP in tiles of 8 positions."""
 SP_BASE = {"gspo": "gspo-rows-two", "cispo": "cispo-rows-two", "zero3": "zero3-rows-two"}
 """The sequence-parallel updates' baselines where a single process is not one: GSPO's and CISPO's 4 mini-batches are
 each rank's own groups, so their baseline is the two ranks' data-parallel update; the others' is one process's."""
@@ -265,12 +268,15 @@ def updates(tmp_path_factory, calculator_cache):
              "rollout.max_new_tokens=48"]
     checkpointing = {"checkpointing-rows": [*SP_CASES["checkpointing"], "hw.share_prompts=false"]}
     single = one_update(tmp_path_factory.mktemp("one"), 1, {**one, **micro, **zero, **shared, **checkpointing,
-                                                            "multiturn-rows": [*turns, "hw.share_prompts=false"]})
+                                                            "multiturn-rows": [*turns, "hw.share_prompts=false"],
+                                                            "lora-alst": [*SHARED_CASES["lora"], *ALST, "hw.share_prompts=false"]})
     two = one_update(tmp_path_factory.mktemp("two"), 2, {**one, **{f"zero3-{kind}": [
         "hw.zero_stage=3", "hw.micro_batch=3", f"hw.share_prompts={kind == 'shared'}"] for kind in ("shared", "rows")},
         **{f"{name}-rows": [*SHARED_CASES[name], "hw.share_prompts=false"] for name in ("gspo", "cispo")},
         **{f"{name}-sp": [*extra, *SP] for name, extra in SP_CASES.items()},
-        "zero3-sp": ["hw.zero_stage=3", "hw.micro_batch=3", *SP], "multiturn-sp": [*turns, *SP]})
+        "zero3-sp": ["hw.zero_stage=3", "hw.micro_batch=3", *SP], "multiturn-sp": [*turns, *SP],
+        "zero3-alst": ["hw.zero_stage=3", "hw.micro_batch=3", "hw.share_prompts=false", *ALST],
+        "ppo-sp-alst": [*SHARED_CASES["ppo"], "hw.zero_stage=2", *ALST, *SP]})
     return single | {f"{name}-two": result for name, result in two.items()}
 
 
@@ -378,6 +384,25 @@ def test_sequence_parallel_over_two_ranks_gives_the_update_of_whole_sequences(up
     if case == "multiturn":
         assert base["metrics"]["observed_rows"] > 0  # rows with tool output between their turns
     same_update(updates[f"{case}-sp-two"], base, case)
+
+
+@pytest.mark.parametrize("case", ["lora", "zero3", "ppo-sp"])
+def test_long_sequence_savings_give_the_same_update(updates, case):
+    """hw.tiled_mlp (tiles of 8 positions) with hw.offload_checkpoints (and gradient checkpointing) against the
+    plain update of the same batch: LoRA in one process, ZeRO-3 over two ranks (each tile fetches the MLP's
+    parameters: the ranks agree on a tile count), and PPO (the critic too) at ZeRO-2 with sequence parallelism over
+    two ranks against one process. ZeRO-2 keeps no full gradients to compare (its partitions), so there the log-probs,
+    losses and both gradient norms are compared; without the MLP's parameters handed to TiledMLP, ZeRO-2 reduces a
+    gradient after the first tile and stops with "already been reduced" (tried)."""
+    if case == "ppo-sp":
+        base, other = updates["ppo-rows"], updates["ppo-sp-alst-two"]
+        assert (other["logprobs"] - base["logprobs"]).abs().max() <= 1e-6
+        for k in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm"):
+            assert other["metrics"][k] == pytest.approx(base["metrics"][k], rel=1e-6, abs=1e-7), k
+        return
+    base, other = (updates["lora-rows"], updates["lora-alst"]) if case == "lora" else (
+        updates["zero3-rows-two"], updates["zero3-alst-two"])
+    same_update(other, base, case)
 
 
 @pytest.mark.parametrize("zero_stage", [0, 3])

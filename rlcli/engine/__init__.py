@@ -1,5 +1,6 @@
 """DeepSpeed: process group, engine construction, optimizer steps, checkpoints, saving (and, in
-rlcli/engine/sequence.py, sequence parallelism's Ulysses attention).
+rlcli/engine/sequence.py, sequence parallelism's Ulysses attention; in rlcli/engine/alst.py, the tiled MLP and the
+offloaded gradient checkpoints).
 
 The policy (and the critic) are DeepSpeed engines on CPU and GPU alike (docs/design.md#engine). The loop
 owns gradient accumulation: it marks the accumulation boundary itself and scales each micro-batch

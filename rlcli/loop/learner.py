@@ -47,6 +47,7 @@ from rlcli.config import BatchUnits, trained_model
 from rlcli.core.batch import RolloutBatch
 from rlcli.core.layout import forward_shape
 from rlcli.core.names import NEEDS_VALUES
+from rlcli.engine.alst import offload_checkpoints, tile_mlps
 from rlcli.engine.collectives import agree_max, all_reduce, global_stats
 from rlcli.engine.sequence import sequence_parallel
 from rlcli.models import (
@@ -154,6 +155,12 @@ class Learner:
                             ("teacher", None if self.teacher == SELF else self.teacher)):
                 if m is not None:
                     self.sp.check(m, role)
+        for role, m in (("policy", model), ("critic", None if self.critic is None else self.critic.module)):
+            if m is not None:  # ALST's other savings for long sequences (hw.tiled_mlp, hw.offload_checkpoints)
+                if cfg.hw.tiled_mlp:
+                    tile_mlps(m, role, cfg.hw.tiled_mlp_positions, agree_max if self.lockstep else None)
+                if cfg.hw.offload_checkpoints:
+                    offload_checkpoints(m, role)
         # hw.logits_chunk only where the chunked pass reproduces the model's own logits (checked once here).
         with autocast(cfg.hw):
             self.chunk, self.chunk_note = logits_chunk_for(self.actor.module, cfg.hw.logits_chunk)

@@ -62,6 +62,7 @@ def startup_summary(t: Any) -> str:
         f"    old-logprob pass     {old_logprob_pass(cfg, u.on_policy)}",
         f"    log-prob pass        {learner.chunk_note}",
         f"    prompts              {learner.share_note}",
+        *([f"    long sequences       {long_sequence_note(cfg)}"] if hw.tiled_mlp or hw.offload_checkpoints else []),
         f"  schedule       {cfg.steps} steps = {u.optimizer_steps} optimizer steps, lr {cfg.optim.lr} "
         f"({cfg.optim.scheduler}, warmup {cfg.optim.warmup_steps})",
         f"  lengths        max_new_tokens {r.max_new_tokens}, temperature {r.temperature}, "
@@ -202,3 +203,12 @@ def environment(cfg: Any) -> str:
         where = f"the server at {e.openenv.url}" if e.openenv.url else f"{e.openenv.app} served on 127.0.0.1 for the run"
         return f"OpenEnv: {where}, {budget}"
     return f"{e.name}: {list(e.tools)} ({e.tool_format} calls), {budget}"
+
+
+def long_sequence_note(cfg: Any) -> str:
+    """ALST's savings in use (rlcli.engine.alst), for the policy and the critic."""
+    hw = cfg.hw
+    parts = ([f"MLP in tiles of {hw.tiled_mlp_positions or 'hidden-size'} positions in the update (hw.tiled_mlp)"]
+             if hw.tiled_mlp else [])
+    parts += ["gradient checkpoints in host memory (hw.offload_checkpoints)"] if hw.offload_checkpoints else []
+    return "; ".join(parts)

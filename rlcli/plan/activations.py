@@ -21,19 +21,26 @@ def activation_elements_per_token(arch: Arch, seq: int, mask: bool = True) -> in
     return 6 * arch.hidden + 4 * q + 4 * arch.intermediate + arch.heads + (seq if mask else 0)
 
 
-def activation_bytes(arch: Arch, rows: int, seq: int, act_bytes: int, checkpointing: bool, mask: bool = True) -> float:
+def activation_bytes(arch: Arch, rows: int, seq: int, act_bytes: int, checkpointing: bool, mask: bool = True,
+                     tile: int = 0, offload: bool = False) -> float:
     """Activations alive at the peak of a backward over [rows, seq] tokens. Without checkpointing every block
     keeps activation_elements_per_token; with it (HF gradient checkpointing, one checkpoint per block) each
     block keeps only its input (h per token; Korthikanti et al.: 2sbh bytes per layer in 16-bit) and the
     block being differentiated is rebuilt. Either way the backward holds the gradients of one block's
     activations at a time (one more block's worth), and the final RMSNorm keeps 3h. Under sequence parallelism `seq`
     is a rank's slice of the positions: after the all-to-all a rank attends over all positions with 1/N of the heads,
-    the same number of elements."""
+    the same number of elements. ALST's savings (rlcli.engine.alst): with `tile` > 0 (hw.tiled_mlp) a block keeps
+    its MLP's input only, and the MLP's 4 x intermediate per position (and their gradients) live for one tile of
+    `tile` positions of every row at a time; with `offload` (hw.offload_checkpoints) the checkpoints wait in host
+    memory, not on the device."""
     tokens = rows * seq
-    block = activation_elements_per_token(arch, seq, mask) * tokens * act_bytes
+    per_token = activation_elements_per_token(arch, seq, mask) - (4 * arch.intermediate if tile else 0)
+    block = per_token * tokens * act_bytes
     final = 3 * arch.hidden * tokens * act_bytes
-    kept = arch.layers * arch.hidden * tokens * act_bytes + block if checkpointing else arch.layers * block
-    return kept + block + final
+    mlp_tile = 2 * 4 * arch.intermediate * rows * min(tile, seq) * act_bytes if tile else 0
+    checkpoints = 0 if offload else arch.layers * arch.hidden * tokens * act_bytes
+    kept = checkpoints + block if checkpointing else arch.layers * block
+    return kept + block + final + mlp_tile
 
 
 def micro_shape(rows: int, group: int, prompt: int, response: int, share: bool) -> tuple[int, int]:

@@ -182,12 +182,20 @@ def _estimate(cfg: Any, prompt: tuple[int, str], budget: int | None, budget_note
         mb = largest(lambda n: micro_slots(cfg, tp, n) <= budget, 1, mb) or 1
     k, length = micro_shape(mb, g, tp, r.max_new_tokens, shares_prompts(cfg))
     part = -(-length // sp)  # positions per rank
+    # an attention mask per sequence where rows are padded or share a prompt; one whole row attends causally without
+    # (and Ulysses never takes one)
+    tile = min(hw.tiled_mlp_positions or arch.hidden, part) if hw.tiled_mlp else 0
+    off_ckpt = hw.offload_checkpoints and not on_cpu  # on CPU host memory is the device's
     rows["activations"] = activation_bytes(arch, k, part, activation_element_bytes(hw), m.gradient_checkpointing,
-                                           mask=sp == 1)
+                                           mask=sp == 1 and (k > 1 or k < mb), tile=tile, offload=off_ckpt)
+    if off_ckpt:  # each block's checkpointed input, in host memory until its recompute
+        host += arch.layers * arch.hidden * k * part * activation_element_bytes(hw)
     notes["activations"] = (f"[{k} sequences, {length} tokens]"
                             + (f" ({mb} rows, each group's prompt once)" if k < mb else "")
                             + (f", {part} positions per rank (hw.sp_size={sp})" if sp > 1 else "") + ", "
                             + f"{'gradient checkpointing' if m.gradient_checkpointing else 'no checkpointing'}"
+                            + (" (kept in host memory)" if off_ckpt else "")
+                            + (f", the MLP in tiles of {tile} positions" if tile else "")
                             + (", counted at fp32's 4 B under autocast (a bound)" if mixed_precision(hw) else ""))
     if sp == 1:  # the response positions' logits, in chunks
         rows["logits chunk"] = logits_bytes(arch, mb, tp, r.max_new_tokens, hw.logits_chunk, act_bytes, k * length)
