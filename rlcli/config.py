@@ -175,6 +175,12 @@ class RolloutConfig:
     """Top-k sampling (0 = off)."""
     gen_batch_size: int = rng(128, ge=1)
     """Memory only: sequences per generate call (hf engine; vLLM schedules its own batches)."""
+    zero3_generation: str = rng("auto", choices=("auto", "gathered", "per_layer"))
+    """hf engine under ZeRO-3 over several ranks: gathered = the whole model gathered once per generate call and
+    released before the update (no collective per decoding step); per_layer = each layer's parameters gathered from
+    all ranks at every decoding step, every rank stepping until all are done (what fits the least memory); auto =
+    gathered when the memory plan fits the gathered copy beside the rest (`rlcli plan` counts it), else per_layer,
+    said in the start-up summary."""
     tensor_parallel_size: int = rng(1, ge=1)
     """vllm: ranks (GPUs) each rollout engine shards the model over (Megatron-style tensor parallelism): each k
     consecutive ranks of a node form one engine through vLLM's external launcher, inside the training job; it

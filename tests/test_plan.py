@@ -306,6 +306,30 @@ def test_the_rollout_row_is_the_engines_shard_and_kv_cache_released_while_it_sle
     assert starved.fits is False and "cannot hold one sequence" in starved.blockers[0]
 
 
+def test_zero3_hf_generation_counts_the_gathered_model_and_falls_back_when_it_does_not_fit():
+    """rollout.engine=hf under ZeRO-3 over 8 ranks: gathered adds every parameter once in the weights' 2 bytes (Psi x
+    2) to the rollout row beside the KV cache; per_layer adds nothing; auto gathers when the peak with the copy fits
+    the device and generates layer by layer when it does not (and fix_budget writes that choice into the config). One
+    rank, or ZeRO-2, has nothing to choose."""
+    base = ["model=qwen2.5-7b", "hw=8xa100", "rollout.engine=hf", "hw.zero_stage=3", "hw.max_tokens_per_micro_batch=null"]
+    psi = param_count(arch_of(compose(*base).model))
+    gathered, per_layer = (estimate(compose(*base, f"rollout.zero3_generation={m}")) for m in ("gathered", "per_layer"))
+    assert gathered.rows["rollout"] - per_layer.rows["rollout"] == psi * 2
+    assert gathered.shape["zero3_generation"] == "gathered" and per_layer.shape["zero3_generation"] == "per_layer"
+    assert "gathered once per generation, 14.19 GiB" in gathered.notes["rollout"]
+    roomy = compose(*base)
+    assert fix_budget(roomy, (256, "")).shape["zero3_generation"] == "gathered"
+    assert roomy.rollout.zero3_generation == "gathered"
+    # a device where the KV cache fits beside the rest but the whole model does not: between the two peaks
+    device = (per_layer.peak + gathered.peak) / 2 / GIB
+    tight = compose(*base, f"hw.device_memory_gb={device}")
+    plan = fix_budget(tight, (256, ""))
+    assert plan.shape["zero3_generation"] == "per_layer" and tight.rollout.zero3_generation == "per_layer"
+    assert "does not fit beside the rest" in plan.notes["rollout"] and plan.rows["rollout"] == per_layer.rows["rollout"]
+    for other in (["hw.nproc=1"], ["hw.zero_stage=2"]):
+        assert estimate(compose(*base, *other)).shape["zero3_generation"] is None
+
+
 def test_an_engine_that_cannot_run_is_named_and_its_fix_offered():
     """A share of the device too small for one 20,736-token sequence's KV cache (0.1 x 80 GiB at k = 8) is a blocker
     whatever the total: the plan does not fit, the fixes offer the share that holds the weights and one sequence,

@@ -303,7 +303,7 @@ OUT_OF_RANGE = {
     "rollout.gen_prompts_per_step": [0], "rollout.max_new_tokens": [0], "rollout.overlong_buffer_len": [0],
     "rollout.expected_response_len": [0],
     "rollout.temperature": [0, -1, INF], "rollout.top_p": [0, 1.5, -0.5], "rollout.top_k": [-1],
-    "rollout.gen_batch_size": [0], "rollout.tensor_parallel_size": [0], "rollout.gpu_memory_utilization": [0, 1, 1.2],
+    "rollout.gen_batch_size": [0], "rollout.zero3_generation": ["once", "layer"], "rollout.tensor_parallel_size": [0], "rollout.gpu_memory_utilization": [0, 1, 1.2],
     "rollout.max_model_len": [0], "rollout.cpu_kv_cache_gb": [0], "rollout.async.max_staleness": [-1],
     "rollout.async.rollout_ranks": [0],
     "env.tool_format": ["json"], "env.max_turns": [0], "env.max_observation_chars": [0], "env.tool_timeout_s": [0],

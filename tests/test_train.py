@@ -276,6 +276,8 @@ def updates(tmp_path_factory, calculator_cache):
         **{f"{name}-sp": [*extra, *SP] for name, extra in SP_CASES.items()},
         "zero3-sp": ["hw.zero_stage=3", "hw.micro_batch=3", *SP], "multiturn-sp": [*turns, *SP],
         "zero3-alst": ["hw.zero_stage=3", "hw.micro_batch=3", "hw.share_prompts=false", *ALST],
+        "zero3-per_layer": ["hw.zero_stage=3", "hw.micro_batch=3", "hw.share_prompts=false",
+                            "rollout.zero3_generation=per_layer"],
         "ppo-sp-alst": [*SHARED_CASES["ppo"], "hw.zero_stage=2", *ALST, *SP]})
     return single | {f"{name}-two": result for name, result in two.items()}
 
@@ -403,6 +405,17 @@ def test_long_sequence_savings_give_the_same_update(updates, case):
     base, other = (updates["lora-rows"], updates["lora-alst"]) if case == "lora" else (
         updates["zero3-rows-two"], updates["zero3-alst-two"])
     same_update(other, base, case)
+
+
+def test_zero3_generation_with_the_model_gathered_once_samples_what_layer_by_layer_does(updates):
+    """rollout.zero3_generation over two ZeRO-3 ranks: auto (gathered here: the plan fits the whole model) generates
+    the same batch as per_layer (each layer gathered at every decoding step, every rank stepping until all are done),
+    so the same update follows (`same_update`); inside rlcli.engine.generation_weights every parameter is whole, and
+    after it the parameters are partitioned again (a no-op context, or one that never releases, fails this)."""
+    gathered, per_layer = updates["zero3-rows-two"], updates["zero3-per_layer-two"]
+    same_update(gathered, per_layer, "zero3")
+    assert gathered["generation_weights"] == (True, True)
+    assert updates["zero0"]["generation_weights"] is None
 
 
 @pytest.mark.parametrize("zero_stage", [0, 3])

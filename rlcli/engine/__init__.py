@@ -186,6 +186,8 @@ class Engine:
             optim.scheduler, opt, num_warmup_steps=warmup_steps, num_training_steps=max(total_steps, 1),
         )
         self.zero_stage = hw.zero_stage
+        if hw.zero_stage == 3:
+            _ZERO3[id(model)] = self.ds
         self.skipped_steps = 0
         # Frozen weights (a LoRA base) are rebuilt from the model path, so checkpoints leave them out.
         self.has_frozen = any(not p.requires_grad for p in model.parameters())
@@ -332,6 +334,26 @@ def _frozen(model: torch.nn.Module) -> torch.nn.Module:
     for p in model.parameters():
         p.requires_grad_(False)
     return model.eval()
+
+
+_ZERO3: dict[int, Any] = {}
+"""id(module) -> its DeepSpeed engine, for the ZeRO-3 engines of this process (generation_weights)."""
+
+
+@contextmanager
+def generation_weights(module: torch.nn.Module, gather: bool) -> Iterator[bool]:
+    """With `gather` and `module` a ZeRO-3 engine's module: its whole parameters gathered once for the block (DeepSpeed's
+    `unwrap_model_for_generation`: the parameters all-gathered and ZeRO-3's per-layer hooks lifted, then the hooks put
+    back and the parameters partitioned again on exit), so that generation runs without a collective per decoding
+    step. -> whether it gathered (every rank of the job must enter together)."""
+    ds = _ZERO3.get(id(module)) if gather else None
+    if ds is None or ds.module is not module:
+        yield False
+        return
+    from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
+
+    with unwrap_model_for_generation(ds):
+        yield True
 
 
 def is_partitioned(module: torch.nn.Module) -> bool:

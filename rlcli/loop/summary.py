@@ -31,7 +31,10 @@ def startup_summary(t: Any) -> str:
            f"{u.world // hw.sp_size}" if hw.sp_size > 1 else ""),
         "  rollout        " + (f"{r.engine}, synchronous in each training process" if not asynchronous(cfg)
                                else f"asynchronous: {rollout_ranks(cfg)} rollout rank(s) with their own {r.engine} "
-                               f"engine, max_staleness {staleness(cfg)}, off_policy {off_policy(cfg)}"),
+                               f"engine, max_staleness {staleness(cfg)}, off_policy {off_policy(cfg)}")
+        + (("; ZeRO-3: the whole model gathered once per generate call" if r.zero3_generation != "per_layer" else
+            "; ZeRO-3: each layer gathered at every decoding step") + f" (rollout.zero3_generation={r.zero3_generation})"
+           if learner.lockstep and r.engine == "hf" else ""),
         "  environment    " + environment(cfg),
         f"  algorithm      {a.name}: advantage={a.adv_estimator} loss={a.policy_loss} "
         f"clip=({a.clip_low}, {a.clip_high}) agg={a.loss_agg} kl_coef={a.kl_coef}"

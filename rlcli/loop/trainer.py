@@ -76,8 +76,9 @@ class Trainer:
         train, self.train_report = load_split(cfg.data, "train", cfg.seed, tokenizer=self.tokenizer, env_cfg=cfg.env)
         self.tasks = task_names(cfg.data)  # a mix of tasks (data=reasoning_gym): acc/<task>, reward/<task>
         evals, _ = load_split(cfg.data, "eval", cfg.seed, tokenizer=self.tokenizer, env_cfg=cfg.env)
-        if cfg.hw.max_tokens_per_micro_batch == "auto":  # `rlcli train` fixes it; a Trainer built in code does here,
-            # from the same prompt length (the embedded task's exact bound, else the data's longest prompt)
+        if cfg.hw.max_tokens_per_micro_batch == "auto" or (  # `rlcli train` fixes them; a Trainer built in code
+                cfg.rollout.zero3_generation == "auto" and self.learner.lockstep and cfg.rollout.engine == "hf"):
+            # does here, from the same prompt length (the embedded task's exact bound, else the data's longest prompt)
             fix_budget(cfg, arith_bound(cfg) or longest_prompt(self.tokenizer, train + evals, cfg.env))
         self.eval_examples, self.eval_which = eval_subset(evals, cfg.eval)
         engine = "hf" if channel else cfg.rollout.engine  # with rollout ranks: evaluation only

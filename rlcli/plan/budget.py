@@ -1,5 +1,6 @@
-"""The one change the planner makes to a run's config: hw.max_tokens_per_micro_batch=auto set to the budget the plan
-chose, before the config is frozen (`rlcli train`) or the memory is measured (benchmarks)."""
+"""The changes the planner makes to a run's config, before it is frozen (`rlcli train`) or the memory is measured
+(benchmarks): hw.max_tokens_per_micro_batch=auto set to the budget the plan chose, rollout.zero3_generation=auto to
+gathered or per_layer."""
 
 from __future__ import annotations
 
@@ -10,11 +11,14 @@ from rlcli.plan.estimate import Plan, estimate
 
 def fix_budget(cfg: Any, prompt: tuple[int, str]) -> Plan:
     """The plan with the longest prompt `prompt`; hw.max_tokens_per_micro_batch=auto is set (in `cfg`) to the
-    budget it chose, a number of tokens or null (no cap)."""
-    plan = estimate(cfg, prompt)
-    if cfg.hw.max_tokens_per_micro_batch == "auto":
-        from omegaconf import open_dict
+    budget it chose, a number of tokens or null (no cap), and rollout.zero3_generation=auto to how the plan generates
+    (where it applies)."""
+    from omegaconf import open_dict
 
-        with open_dict(cfg):
+    plan = estimate(cfg, prompt)
+    with open_dict(cfg):
+        if cfg.hw.max_tokens_per_micro_batch == "auto":
             cfg.hw.max_tokens_per_micro_batch = plan.shape["budget"]
+        if cfg.rollout.zero3_generation == "auto" and plan.shape["zero3_generation"]:
+            cfg.rollout.zero3_generation = plan.shape["zero3_generation"]
     return plan

@@ -248,11 +248,22 @@ def _estimate(cfg: Any, prompt: tuple[int, str], budget: int | None, budget_note
                                    "reward model", "judge model", "runtime") if k in rows)
     update = (rows["activations"] + rows["logits chunk"] + rows.get("teacher log-probs", 0.0)
               + (rows[ROLLOUT] if resident else 0.0))
+    zero3_generation = None  # HF generation under ZeRO-3 over ranks: the whole model gathered once, or layer by layer
+    if r.engine == "hf" and hw.zero_stage == 3 and world > 1:
+        copy = psi * wbytes  # every parameter, beside this rank's partition, for the generate call
+        fits = dev is None or static + max(update, rows[ROLLOUT] + copy) <= dev
+        zero3_generation = r.zero3_generation if r.zero3_generation != "auto" else "gathered" if fits else "per_layer"
+        if zero3_generation == "gathered":
+            rows[ROLLOUT] += copy
+            notes[ROLLOUT] += f" + the whole model gathered once per generation, {copy / GIB:.2f} GiB (ZeRO-3)"
+        else:
+            notes[ROLLOUT] += ("; ZeRO-3: each layer gathered at every decoding step"
+                               + ("" if fits else f" (the whole model, {copy / GIB:.2f} GiB, does not fit beside the rest)"))
     peak = static + max(update, rows[ROLLOUT])
     shape = {"psi": psi, "trainable": trainable, "world": world, "micro_rows": mb, "seq": seq, "prompt": tp,
              "prompt_note": tp_note, "budget": budget, "budget_note": budget_note, "gen_rows": gen_rows,
              "kv_room_tokens": kv_room, "arch": arch, "update_peak": static + update, "phase": "update" if update >= rows[
-                 ROLLOUT] else "rollout", "resident": resident}
+                 ROLLOUT] else "rollout", "resident": resident, "zero3_generation": zero3_generation}
     return Plan(rows, notes, peak, dev, dev_note, host, shape, blockers)
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from rlcli.plan import roofline
 from rlcli.plan.budget import fix_budget
-from rlcli.plan.estimate import Plan, estimate, with_overrides
+from rlcli.plan.estimate import ROLLOUT, Plan, estimate, with_overrides
 from rlcli.plan.fixes import combined_fix, fixes
 from rlcli.plan.inputs import measure_prompts
 from rlcli.plan.shapes import Arch
@@ -69,11 +69,11 @@ def budget_text(plan: Plan) -> str:
 
 def check_fits(cfg: Any) -> Plan | None:
     """`rlcli train`'s memory step before any weights load: measure the data's longest prompt (the tokenizer and
-    the prompts are read), plan with it, fix hw.max_tokens_per_micro_batch=auto to the budget that fits (the
-    frozen config and every rank then use that number), and refuse a job whose estimate still exceeds the
+    the prompts are read), plan with it, fix hw.max_tokens_per_micro_batch=auto to the budget that fits and
+    rollout.zero3_generation=auto to what fits (the frozen config and every rank then use them), and refuse a job whose estimate still exceeds the
     device's memory (with auto: not even one row per micro-batch fits) unless hw.check_memory=false. None when
-    there is nothing to do (the check off and an explicit budget)."""
-    if not cfg.hw.check_memory and cfg.hw.max_tokens_per_micro_batch != "auto":
+    there is nothing to do (the check off, nothing auto)."""
+    if not cfg.hw.check_memory and "auto" not in (cfg.hw.max_tokens_per_micro_batch, cfg.rollout.zero3_generation):
         return None
     plan = fix_budget(cfg, measure_prompts(cfg))
     if cfg.hw.check_memory and plan.fits is False:
@@ -100,8 +100,12 @@ def fits_line(plan: Plan) -> str:
     s = plan.shape
     where = "" if plan.device is None else f" of {plan.device / GIB:.2f} GiB ({plan.device_note}): " + (
         "fits" if plan.fits else "DOES NOT FIT, hw.check_memory=false")
+    gen = {"gathered": "; ZeRO-3 generation: the whole model gathered once per generate call",
+           "per_layer": "; ZeRO-3 generation: each layer gathered at every decoding step"
+           + (", the whole model does not fit beside the rest" if "does not fit" in plan.notes[ROLLOUT] else "")}
     return (f"memory plan: peak {plan.peak / GIB:.2f} GiB per device{where}; longest prompt {s['prompt']} tokens "
-            f"({s['prompt_note']}); update micro-batches {budget_text(plan)} (`rlcli plan` shows the table)")
+            f"({s['prompt_note']}); update micro-batches {budget_text(plan)}{gen.get(s['zero3_generation'], '')} "
+            "(`rlcli plan` shows the table)")
 
 
 HELP = """rlcli plan: per-device memory of a training config, estimated before anything is loaded.

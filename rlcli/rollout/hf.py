@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from rlcli.core.batch import RolloutBatch
+from rlcli.engine import generation_weights, lockstep
 from rlcli.models import autocast, eval_mode
 from rlcli.rollout.sampling import Sampling
 
@@ -215,11 +216,11 @@ class HFEngine:
     from the current weights (nothing to push after an update)."""
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, path: str, cfg: Any):
-        from rlcli.engine import lockstep
-
         self.model, self.tokenizer = model, tokenizer
         self.batch_size = cfg.rollout.gen_batch_size
-        self.collective = lockstep(cfg.hw)  # ZeRO-3 over ranks: every decoding step gathers layers (synced_gpus)
+        self.collective = lockstep(cfg.hw)  # ZeRO-3 over ranks: every forward is a collective
+        # rollout.zero3_generation (auto is resolved by the memory plan before the run; unresolved, it gathers)
+        self.gather = self.collective and cfg.rollout.zero3_generation != "per_layer"
         self.hw = cfg.hw  # the sampler computes in the trainer's precision (bf16 autocast at ZeRO-0: rlcli.models.autocast)
 
     # Its sampler log-probs cost a log-softmax over the vocabulary per generated token: only asked for when
@@ -228,19 +229,20 @@ class HFEngine:
 
     def generate(self, prompts: list[str], answers: list[str], n: int, sampling: Sampling, group_offset: int = 0,
                  with_logprobs: bool = False) -> RolloutBatch:
-        with autocast(self.hw):
+        with autocast(self.hw), generation_weights(self.model, self.gather) as gathered:
             return generate(self.model, self.tokenizer, prompts, answers, n, sampling.max_new_tokens, sampling.temperature,
-                            sampling.top_p, sampling.top_k, self.batch_size, group_offset, with_logprobs, self.collective)
+                            sampling.top_p, sampling.top_k, self.batch_size, group_offset, with_logprobs,
+                            synced_gpus=self.collective and not gathered)
 
     def continue_tokens(self, contexts: list[list[int]], budgets: list[int], sampling: Sampling,
                         with_logprobs: bool = False) -> list[tuple[list[int], list[float] | None]]:
         """One turn of a multi-turn rollout (rlcli.envs): for each context (token ids), the tokens sampled after
         it up to and including the first EOS, at most its budget, and their sampler log-probs if asked."""
         ids, mask = left_padded(contexts, self.tokenizer.pad_token_id)
-        with autocast(self.hw):
+        with autocast(self.hw), generation_weights(self.model, self.gather) as gathered:
             response_ids, logp = sample_tokens(self.model, self.tokenizer, ids, mask, max(budgets), sampling.temperature,
                                                sampling.top_p, sampling.top_k, self.batch_size, with_logprobs,
-                                               self.collective)
+                                               self.collective and not gathered)
         return turn_outputs(self.tokenizer, response_ids, logp, budgets)
 
     def update_weights(self) -> None:

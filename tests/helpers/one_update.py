@@ -4,7 +4,8 @@ groups from the same seed, then keeps its own share of groups: the 1- and 2-proc
 configs run one after another in the same processes (one start-up for all of them).
 
 usage: [torchrun --nproc_per_node=2] one_update.py <out.pt> <frozen config.yaml> [<frozen config.yaml> ...]
-       -> out.pt: {config file stem: {"metrics", "grads", "critic_grads", "prompt_lengths", "logprobs"}}
+       -> out.pt: {config file stem: {"metrics", "grads", "critic_grads", "prompt_lengths", "logprobs",
+                                      "generation_weights"}}
 """
 
 import gc
@@ -51,7 +52,22 @@ def one_update(frozen: str) -> tuple[dict, int]:
     prompt_lengths = sorted(set(b.prompt_mask.sum(-1).long().tolist()))
     metrics["observed_rows"] = float((b.token_mask != b.response_mask).any(-1).sum())  # multi-turn rows (this rank)
     t.rewards.close()
-    return {"metrics": metrics, **grads, "prompt_lengths": prompt_lengths, "logprobs": logprobs}, t.rank
+    return {"metrics": metrics, **grads, "prompt_lengths": prompt_lengths, "logprobs": logprobs,
+            "generation_weights": generation_weights_states(t.learner.actor.module)}, t.rank
+
+
+def generation_weights_states(module: torch.nn.Module) -> tuple[bool, bool] | None:
+    """Under ZeRO-3: (every parameter whole inside rlcli.engine.generation_weights, some partitioned again after it);
+    None otherwise."""
+    from rlcli.engine import generation_weights, is_partitioned
+
+    if not is_partitioned(module):
+        return None
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    with generation_weights(module, True) as gathered:
+        inside = gathered and all(p.ds_status == ZeroParamStatus.AVAILABLE for p in module.parameters())
+    return inside, any(p.ds_status == ZeroParamStatus.NOT_AVAILABLE for p in module.parameters())
 
 
 def main() -> None:
