@@ -6,7 +6,9 @@
    shapes: the embedded tiny model as `rlcli train` runs it, a larger one (8 layers x 512 wide, random
    weights, up to 256 new tokens), and the real SmolLM2-135M-Instruct on its chat task as `model=smollm2-135m`
    trains it. Extra arguments are Hydra overrides for every run, e.g. `make bench ARGS="algo=vapo
-   hw.num_threads=1"`; `--only=SmolLM2` runs the shapes whose name contains that text.
+   hw.num_threads=1"`; `--only=SmolLM2` runs the shapes whose name contains that text. Below each table: each
+   stage's GFLOP/s against the matmul peak measured in the run's precision, the memory bandwidth, and the step's
+   floor on this machine with the step's ratio to it (`step_floor`).
 2. Asynchronous rollout against synchronous on the same two cores: two 8-step `rlcli train` jobs on the default
    task with a verifier that takes 20 ms per response (`hw=cpu` vs `hw=cpu_x2 rollout.async.max_staleness=1`),
    their median stage times and the throughput ratio in one table (`--only="default task"` runs it alone).
@@ -67,7 +69,8 @@ STEPS = 3  # measured steps, after one warm-up step
 
 
 MEDIANS = ("timing_s/rollout", "timing_s/reward", "timing_s/score", "timing_s/update", "timing_s/sync", "timing_s/step",
-           "perf/tokens_per_s", "response_length/mean", "prompt_length/mean", "rollout_corr/logp_diff_mean",
+           "perf/tokens_per_s", "response_length/mean", "response_length/max", "prompt_length/mean",
+           "rollout_corr/logp_diff_mean",
            "rollout_corr/logp_diff_max", "rollout_corr/kl")
 
 
@@ -114,6 +117,7 @@ def train_steps(overrides: list[str], steps: int = STEPS) -> dict[str, float]:
     out["trajectories"] = trainer.units.N
     out["groups"] = trainer.units.P
     out["ranks"] = cfg.hw.nproc * cfg.hw.nnodes
+    out["gen_batch_size"] = cfg.rollout.gen_batch_size
     out["shared"] = learner.share  # hw.share_prompts in effect: each group's prompt once in scoring and the update
     g, tp, t = out["trajectories"] / out["groups"], out["prompt_length/mean"], out["response_length/mean"]
     out["tokens_per_step"] = out["trajectories"] * (tp + t)
@@ -149,7 +153,14 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{'measure':<34}" + "".join(f"{'rollout.engine=' + e:>22}" for e in ENGINES))
         for label, key, fmt in rows:
             print(f"{label:<34}" + "".join(f"{res[e][key]:>22{fmt}}" for e in ENGINES))
-        print(stage_rates(res, matmul_peak(first["precision"])))
+        peak, bandwidth = matmul_peak(first["precision"]), memory_bandwidth()
+        print(stage_rates(res, peak))
+        floors = {e: step_floor(r, peak, bandwidth) for e, r in res.items()}
+        print(f"{'memory bandwidth':<34}{bandwidth:>22.1f} GB/s (a 256 MiB copy, best of 5, this machine)")
+        print(f"{'floor s (rollout/score/update)':<34}" + "".join(
+            f"{'/'.join(f'{x:.2f}' for x in floors[e].values()):>22}" for e in ENGINES))
+        print(f"{'step / floor':<34}" + "".join(
+            f"{res[e]['timing_s/step'] / sum(floors[e].values()):>21.1f}x" for e in ENGINES))
     if not only or only in ASYNC_SHAPE:
         async_vs_sync(argv)
     if not only:
@@ -173,6 +184,40 @@ def matmul_peak(precision: str, n: int = 2048, reps: int = 5) -> float:
         a @ b
         best = min(best, time.perf_counter() - t0)
     return 2 * n**3 / best / 1e9
+
+
+def memory_bandwidth(mib: int = 256, reps: int = 5) -> float:
+    """This machine's memory bandwidth in GB/s: a `mib` MiB fp32 copy (read + write), the best of `reps` after a
+    warm-up (what a decoding step that reads every weight can approach)."""
+    import torch
+
+    a = torch.ones(mib * 2**20 // 4)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    best = math.inf
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * a.numel() * 4 / best / 1e9
+
+
+def step_floor(r: dict[str, float], peak: float, bandwidth: float) -> dict[str, float]:
+    """The least time each FLOP-bound stage of one rank's step can take on this machine, in seconds: the FLOPs of
+    stage_rates at the matmul `peak` (GFLOP/s) for scoring and the update, and for the rollout its prefill at the
+    peak plus decoding, where each step of a generate call reads every weight once (Psi x bytes per weight at
+    `bandwidth` GB/s) or computes 2Psi per row at the peak, whichever is longer, for the longest response of the
+    call. The reward and the weight push are not counted (no FLOPs of the policy)."""
+    psi, ranks = r["params_m"] * 1e6, r["ranks"]
+    rows = r["trajectories"] / ranks  # this rank's
+    per_call = min(r["gen_batch_size"], rows)
+    calls = math.ceil(rows / per_call)
+    wbytes = 2 if r["precision"] == "bf16" else 4
+    step = max(psi * wbytes / (bandwidth * 1e9), 2 * psi * per_call / (peak * 1e9))
+    forward = r["forward_tokens_per_step"] / ranks
+    return {"rollout": 2 * psi * rows * r["prompt_length/mean"] / (peak * 1e9) + calls * r["response_length/max"] * step,
+            "score": 2 * psi * forward * r["score_passes"] / (peak * 1e9),
+            "update": 6 * psi * forward / (peak * 1e9)}
 
 
 def stage_rates(res: dict[str, dict[str, float]], peak: float) -> str:

@@ -1,0 +1,19 @@
+"""`make bench`'s floor of a step (rlcli/commands/bench.py step_floor): the FLOP- and bandwidth-bound least time of
+each stage, against hand-computed numbers."""
+
+import pytest
+
+from rlcli.commands.bench import step_floor
+
+RUN = {"params_m": 100, "ranks": 2, "trajectories": 64, "gen_batch_size": 16, "precision": "bf16",
+       "prompt_length/mean": 10, "response_length/max": 50, "forward_tokens_per_step": 4000, "score_passes": 1}
+
+
+def test_the_floor_counts_flops_at_the_peak_and_decoding_at_the_bandwidth():
+    """Psi = 1e8 over 2 ranks: 32 rows per rank in 2 generate calls of 16. At 200 GFLOP/s and 20 GB/s a decoding step
+    of 16 rows is compute-bound (2e8 x 16 / 2e11 = 0.016 s > 2e8 B / 2e10 = 0.01 s): rollout = prefill 2e8 x 32 x 10
+    / 2e11 = 0.32 s + 2 calls x 50 steps x 0.016 s = 1.92 s; scoring 2e8 x 2000 tokens / 2e11 = 2 s, the update 3x
+    that. In fp32 at 5 GB/s the weights' 4e8 B take 0.08 s a step: bandwidth-bound, 0.32 + 100 x 0.08 = 8.32 s."""
+    assert step_floor(RUN, 200, 20) == pytest.approx({"rollout": 1.92, "score": 2.0, "update": 6.0})
+    assert step_floor({**RUN, "precision": "fp32"}, 200, 5)["rollout"] == pytest.approx(8.32)
+    assert step_floor({**RUN, "score_passes": 0}, 200, 20)["score"] == 0
