@@ -175,6 +175,11 @@ class RolloutConfig:
     """Top-k sampling (0 = off)."""
     gen_batch_size: int = rng(128, ge=1)
     """Memory only: sequences per generate call (hf engine; vLLM schedules its own batches)."""
+    prefill_once: bool = True
+    """hf engine: rows whose prompts are equal and next to each other (a group's G responses) share one prefill: the
+    KV cache of the prompt but its last token is computed once and copied to each row, which runs the last token as
+    its first decoding step. The same sampler up to rounding (the first token's logits come from a cached pass
+    instead of a whole-prompt one); false = a prefill per row."""
     zero3_generation: str = rng("auto", choices=("auto", "gathered", "per_layer"))
     """hf engine under ZeRO-3 over several ranks: gathered = the whole model gathered once per generate call and
     released before the update (no collective per decoding step); per_layer = each layer's parameters gathered from

@@ -45,6 +45,43 @@ def test_generate_returns_whole_groups():
     assert (b.truncated == (b.lengths == 6) & (b.response_ids[:, -1] != tok.eos_token_id)).all()
 
 
+def test_a_groups_prompt_prefilled_once_samples_what_a_prefill_per_row_does(monkeypatch):
+    """rollout.prefill_once: 3 prompts of different lengths (left padding) x 4 responses, 20 new tokens at
+    temperature 1: the distinct prompts but their last token run once (3 rows of the prefill forward, not 12), and the
+    same seed samples the same tokens with the sampler's log-probs equal to a prefill per row to 1e-5 (float32; the
+    first token's logits come from a cached pass instead of the whole prompt's) and to the trainer's scoring. Rows
+    that repeat no neighbour take no shared prefill."""
+    import rlcli.rollout.hf as hf
+
+    tok = load_tiny_tokenizer()
+    model = build_tiny_model(TinyModelConfig(), tok, seed=0).eval()
+    prompts, answers = ["Q: 313+897=?\nA:", "Q: 1+2=?\nA:", "Q: 45+6=?\nA:"], ["1210", "3", "51"]
+    prefills: list[int] = []
+    shared = hf.shared_prefill
+    monkeypatch.setattr(hf, "shared_prefill", lambda m, ids, mask: (prefills.append(ids.shape[0]), shared(m, ids, mask))[1])
+    runs, widths = {}, {}  # the input positions of each forward: the prefill, then one per decoding step
+    for once in (False, True):
+        widths[once] = []
+        hook = model.register_forward_pre_hook(lambda m, x, k, w=widths[once]: w.append(
+            tuple(k.get("input_ids", x[0] if x else None).shape)), with_kwargs=True)
+        torch.manual_seed(3)
+        runs[once] = generate(model, tok, prompts, answers, n=4, max_new_tokens=20, temperature=1.0,
+                              with_logprobs=True, prefill_once=once)
+        hook.remove()
+    a, b = runs[False], runs[True]
+    width = a.prompt_ids.shape[1]
+    assert widths[False][0] == (12, width) and widths[True][:2] == [(3, width - 1), (12, 1)]  # the cache is used
+    assert prefills == [12] and torch.equal(a.response_ids, b.response_ids)
+    mask = a.response_mask.bool()
+    assert (a.rollout_logp - b.rollout_logp)[mask].abs().max() < 1e-5 and a.lengths.float().mean() > 5
+    scored, _ = response_logprobs(model, b.prompt_ids, b.prompt_mask, b.response_ids, b.token_mask, temperature=1.0)
+    assert (scored - b.rollout_logp)[mask].abs().max() < 1e-4
+    ids, pm = b.prompt_ids, b.prompt_mask
+    cache = shared(model, ids, pm)
+    assert cache.get_seq_length() == ids.shape[1] - 1 and cache.layers[0].keys.shape[0] == 12
+    assert shared(model, ids[::4], pm[::4]) is None  # one row per prompt: nothing to share
+
+
 def test_sampling_equals_scoring_for_a_checkpoint_whose_generation_config_changes_the_distribution(tmp_path):
     """An instruct checkpoint's generation_config (here repetition_penalty 1.3, no_repeat_ngram_size 2,
     top_k 5) must not reach the sampler: rlcli samples from exactly the distribution it scores. The

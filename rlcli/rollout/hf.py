@@ -142,6 +142,7 @@ def generate(
     group_offset: int = 0,
     with_logprobs: bool = False,
     synced_gpus: bool = False,
+    prefill_once: bool = False,
 ) -> RolloutBatch:
     """Sample `n` responses for each prompt. Rows are grouped: prompt i owns rows i*n .. i*n+n-1.
 
@@ -149,17 +150,18 @@ def generate(
     sampler's own log-probs of the sampled tokens (`rollout_logp`, from the processed scores generate
     sampled from, recorded step by step by SampledLogProbs).
     `synced_gpus` (ZeRO-3 over several ranks, where each forward gathers parameters from all ranks): every
-    rank keeps stepping until all ranks' batches are done.
+    rank keeps stepping until all ranks' batches are done. `prefill_once`: each group's prompt prefilled once
+    (shared_prefill).
     """
     prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, n)  # [P*G, Tp] each
     response_ids, rollout_logp = sample_tokens(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature,
-                                               top_p, top_k, batch_size, with_logprobs, synced_gpus)
+                                               top_p, top_k, batch_size, with_logprobs, synced_gpus, prefill_once)
     return rollout_batch(tokenizer, prompt_ids, prompt_mask, response_ids, rollout_logp, answers, n, group_offset)
 
 
 def sample_tokens(model: torch.nn.Module, tokenizer: Any, prompt_ids: Tensor, prompt_mask: Tensor, max_new_tokens: int,
                   temperature: float, top_p: float, top_k: int, batch_size: int, with_logprobs: bool,
-                  synced_gpus: bool) -> tuple[Tensor, Tensor | None]:
+                  synced_gpus: bool, prefill_once: bool = False) -> tuple[Tensor, Tensor | None]:
     """`generate` on left-padded prompts [N, Tp], `batch_size` rows at a time. -> (the generated tokens [N, T],
     padded after each row's end with the pad token; with `with_logprobs` the sampler's log-probs of them [N, T])"""
     from transformers import LogitsProcessorList
@@ -175,8 +177,9 @@ def sample_tokens(model: torch.nn.Module, tokenizer: Any, prompt_ids: Tensor, pr
             am = prompt_mask[s : s + batch_size].to(device)
             recorder = SampledLogProbs()
             processors = LogitsProcessorList([*warpers(temperature, top_p, top_k), *([recorder] if with_logprobs else [])])
+            cache = shared_prefill(model, ids, am) if prefill_once else None
             out = model.generate(input_ids=ids, attention_mask=am, generation_config=config, logits_processor=processors,
-                                 synced_gpus=synced_gpus)
+                                 synced_gpus=synced_gpus, **({"past_key_values": cache} if cache is not None else {}))
             new = out.sequences[:, ids.shape[1] :]  # [b, t]
             chunks.append(new.cpu())
             if with_logprobs:
@@ -189,6 +192,27 @@ def sample_tokens(model: torch.nn.Module, tokenizer: Any, prompt_ids: Tensor, pr
     if with_logprobs:
         rollout_logp = torch.cat([torch.nn.functional.pad(c, (0, t - c.shape[1])) for c in logp_chunks])  # [N, T]
     return response_ids, rollout_logp
+
+
+def shared_prefill(model: torch.nn.Module, ids: Tensor, mask: Tensor) -> Any:
+    """rollout.prefill_once: for left-padded prompts [b, Tp] where runs of equal rows repeat a prompt (a group's G
+    responses), the KV cache of each distinct prompt but its last token, computed once and copied to every row of its
+    run; `generate` then runs each row's last prompt token as its first step. None when no row repeats its neighbour
+    (or prompts of one token). Position ids as `generate` counts them (real tokens only)."""
+    from transformers import DynamicCache
+
+    b, tp = ids.shape
+    new_run = torch.ones(b, dtype=torch.bool)
+    new_run[1:] = ((ids[1:] != ids[:-1]) | (mask[1:] != mask[:-1])).any(-1)
+    if tp < 2 or bool(new_run.all()):
+        return None
+    first = new_run.nonzero().squeeze(-1)  # [u] the first row of each run
+    pos = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)  # [b, Tp]
+    cache = DynamicCache(config=model.config)
+    model(input_ids=ids[first, :-1], attention_mask=mask[first, :-1], position_ids=pos[first, :-1],
+          past_key_values=cache, use_cache=True, logits_to_keep=1)
+    cache.batch_select_indices(new_run.long().cumsum(0).to(ids.device) - 1)  # [b] each row's run
+    return cache
 
 
 def left_padded(contexts: list[list[int]], pad: int) -> tuple[Tensor, Tensor]:
@@ -221,6 +245,7 @@ class HFEngine:
         self.collective = lockstep(cfg.hw)  # ZeRO-3 over ranks: every forward is a collective
         # rollout.zero3_generation (auto is resolved by the memory plan before the run; unresolved, it gathers)
         self.gather = self.collective and cfg.rollout.zero3_generation != "per_layer"
+        self.prefill_once = cfg.rollout.prefill_once  # a group's prompt prefilled once for its G rows
         self.hw = cfg.hw  # the sampler computes in the trainer's precision (bf16 autocast at ZeRO-0: rlcli.models.autocast)
 
     # Its sampler log-probs cost a log-softmax over the vocabulary per generated token: only asked for when
@@ -232,7 +257,7 @@ class HFEngine:
         with autocast(self.hw), generation_weights(self.model, self.gather) as gathered:
             return generate(self.model, self.tokenizer, prompts, answers, n, sampling.max_new_tokens, sampling.temperature,
                             sampling.top_p, sampling.top_k, self.batch_size, group_offset, with_logprobs,
-                            synced_gpus=self.collective and not gathered)
+                            synced_gpus=self.collective and not gathered, prefill_once=self.prefill_once)
 
     def continue_tokens(self, contexts: list[list[int]], budgets: list[int], sampling: Sampling,
                         with_logprobs: bool = False) -> list[tuple[list[int], list[float] | None]]:
@@ -242,7 +267,7 @@ class HFEngine:
         with autocast(self.hw), generation_weights(self.model, self.gather) as gathered:
             response_ids, logp = sample_tokens(self.model, self.tokenizer, ids, mask, max(budgets), sampling.temperature,
                                                sampling.top_p, sampling.top_k, self.batch_size, with_logprobs,
-                                               self.collective and not gathered)
+                                               self.collective and not gathered, self.prefill_once)
         return turn_outputs(self.tokenizer, response_ids, logp, budgets)
 
     def update_weights(self) -> None:
