@@ -247,7 +247,11 @@ def test_max_response_is_the_longest_that_fits_and_grows_with_the_sequence_paral
             assert fits(at[0]) and not fits(at[1]), (n, tokens)
     assert answers[8][1] > 3.5 * answers[2][1] and answers[8][0] == answers[2][0]  # the KV cache binds the whole step
     big = compose(*LONG, f"rollout.max_new_tokens={answers[1][1] * 2}")
-    assert "hw.sp_size=2" in render(big, estimate(big))
+    table = render(big, estimate(big))
+    assert "hw.sp_size=2" in table and "hw.tiled_mlp=true" in table  # ALST's savings among the fixes, with their peaks
+    offered = {tuple(sorted(o)): peak for o, peak, _ in fixes(big, estimate(big))}
+    assert offered[("hw.tiled_mlp",)] < estimate(big).peak
+    assert ("hw.offload_checkpoints", "model.gradient_checkpointing") in offered
     out = subprocess.run([sys.executable, "-m", "rlcli", "plan", *LONG, "--max-response"], cwd=ROOT, capture_output=True,
                          text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -328,6 +332,9 @@ def test_zero3_hf_generation_counts_the_gathered_model_and_falls_back_when_it_do
     assert "does not fit beside the rest" in plan.notes["rollout"] and plan.rows["rollout"] == per_layer.rows["rollout"]
     for other in (["hw.nproc=1"], ["hw.zero_stage=2"]):
         assert estimate(compose(*base, *other)).shape["zero3_generation"] is None
+    forced = compose(*base, "rollout.zero3_generation=gathered", f"hw.device_memory_gb={device}")
+    offered = {tuple(o.items()): peak for o, peak, _ in fixes(forced, estimate(forced))}
+    assert offered[(("rollout.zero3_generation", "per_layer"),)] == pytest.approx(per_layer.peak)
 
 
 def test_an_engine_that_cannot_run_is_named_and_its_fix_offered():

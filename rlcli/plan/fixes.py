@@ -33,6 +33,13 @@ def fixes(cfg: Any, plan: Plan) -> list[tuple[dict[str, Any], float, str]]:
                     "weights fetched from host RAM each pass: much slower"))
     if not m.gradient_checkpointing:
         out.append(({"model.gradient_checkpointing": True}, "about 1/3 more compute in the update"))
+    if not hw.tiled_mlp:  # ALST's savings (rlcli.engine.alst): the MLP's activations one tile at a time
+        out.append(({"hw.tiled_mlp": True}, "one more MLP forward per update"))
+    if gpu and not hw.offload_checkpoints:  # checkpointing's kept block inputs in host memory
+        out.append(({"model.gradient_checkpointing": True, "hw.offload_checkpoints": True},
+                    "checkpointing's recompute, and each block's input copied to the host and back"))
+    if s["zero3_generation"] == "gathered":
+        out.append(({"rollout.zero3_generation": "per_layer"}, "each layer gathered at every decoding step: slower"))
     for n in (2, 4, 8, 16):  # sequence parallelism: a rank keeps the activations of 1/N of each sequence's positions
         if n > hw.sp_size and s["world"] % n == 0 and splits_heads(s["arch"].heads, s["arch"].kv_heads, n):
             out.append(({"hw.sp_size": n}, f"each sequence split over {n} ranks: two all-to-alls per attention layer, "
