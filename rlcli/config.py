@@ -176,7 +176,7 @@ class RolloutConfig:
     gen_batch_size: int = rng(128, ge=1)
     """Memory only: sequences per generate call (hf engine; vLLM schedules its own batches)."""
     prefill_once: bool = True
-    """hf engine: rows whose prompts are equal and next to each other (a group's G responses) share one prefill: the
+    """hf engine, single-turn rollout: rows whose prompts are equal and next to each other (a group's G responses) share one prefill: the
     KV cache of the prompt but its last token is computed once and copied to each row, which runs the last token as
     its first decoding step. The same sampler up to rounding (the first token's logits come from a cached pass
     instead of a whole-prompt one); false = a prefill per row."""

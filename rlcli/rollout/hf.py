@@ -267,7 +267,7 @@ class HFEngine:
         with autocast(self.hw), generation_weights(self.model, self.gather) as gathered:
             response_ids, logp = sample_tokens(self.model, self.tokenizer, ids, mask, max(budgets), sampling.temperature,
                                                sampling.top_p, sampling.top_k, self.batch_size, with_logprobs,
-                                               self.collective and not gathered, self.prefill_once)
+                                               self.collective and not gathered)  # turns: a prefill per row
         return turn_outputs(self.tokenizer, response_ids, logp, budgets)
 
     def update_weights(self) -> None:

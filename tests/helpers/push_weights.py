@@ -13,7 +13,7 @@ from rlcli.models.tiny import build_tiny_model, build_tiny_tokenizer
 from rlcli.rollout.hf import HFEngine
 from rlcli.rollout.remote import Placement, WeightSyncError, join, push_weights, receive_weights
 
-cfg = OmegaConf.create({"hw": {"collective_timeout_s": 60, "device": "cpu"}, "rollout": {"gen_batch_size": 8}})
+cfg = OmegaConf.create({"hw": {"collective_timeout_s": 60, "device": "cpu"}, "rollout": {"gen_batch_size": 8, "prefill_once": True}})
 rank = int(__import__("os").environ["RANK"])
 place = Placement(rank, 2, 1)
 channel = join(cfg, place)
