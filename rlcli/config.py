@@ -799,6 +799,10 @@ def validate_long_sequences(cfg: Any) -> None:
     if cfg.hw.offload_checkpoints and not cfg.model.gradient_checkpointing:
         raise ConfigError("hw.offload_checkpoints=true moves gradient checkpointing's kept block inputs to host "
                           "memory: set model.gradient_checkpointing=true too")
+    if (cfg.hw.tiled_mlp or cfg.hw.offload_checkpoints) and cfg.model.lora.r and cfg.model.lora.dropout > 0:
+        raise ConfigError(f"model.lora.dropout={cfg.model.lora.dropout} with hw.tiled_mlp or hw.offload_checkpoints: "
+                          "their backward recomputes the adapters, which would draw other dropout masks than the "
+                          "forward did (a wrong gradient): set model.lora.dropout=0")
 
 
 def validate_sequence_parallel(cfg: Any) -> None:

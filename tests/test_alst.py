@@ -94,7 +94,8 @@ def test_offloaded_checkpoints_give_the_checkpointed_models_outputs_and_gradient
 
 
 def test_the_savings_refuse_what_they_cannot_run():
-    """A mixture of experts (its MLP returns router outputs), a model without blocks, offload without checkpoints."""
+    """A mixture of experts (its MLP returns router outputs), a model without blocks, offload without checkpoints, a
+    model that drops out in training (the recomputes do not replay the random state)."""
     moe = LlamaForCausalLM(LlamaConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                                        intermediate_size=32, vocab_size=50))
     moe.config.num_local_experts = 4  # what Mixtral's config carries
@@ -105,3 +106,8 @@ def test_the_savings_refuse_what_they_cannot_run():
         alst.tile_mlps(type("Head", (torch.nn.Module,), {"config": LlamaConfig(hidden_size=8, num_attention_heads=2)})(), "critic", None)
     with pytest.raises(ConfigError, match="model.gradient_checkpointing=true"):
         alst.offload_checkpoints(llama(), "policy")
+    dropping = llama(checkpointing=True)
+    dropping.config.attention_dropout = 0.1  # the recompute would draw other masks
+    for save in (lambda m: alst.tile_mlps(m, "policy", None), lambda m: alst.offload_checkpoints(m, "policy")):
+        with pytest.raises(ConfigError, match="drops out in training"):
+            save(dropping)

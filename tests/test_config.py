@@ -219,6 +219,7 @@ def test_vapo_at_paper_scale_is_the_papers_batch():
      "wraps sdpa and flash attention, not model.attn_implementation=eager"),
     (["hw=cpu_x2", "hw.sp_size=2", "algo=distill", "distill.teacher=/x", "distill.full_kl_coef=1.0"], "does not gather"),
     (["hw.offload_checkpoints=true"], "set model.gradient_checkpointing=true too"),
+    (["hw.tiled_mlp=true", "model.lora.r=4", "model.lora.dropout=0.1"], "set model.lora.dropout=0"),
     (["hw=cpu_x2", "hw.nproc=3", "hw.sp_size=2", "rollout.async.max_staleness=1", "rollout.async.rollout_ranks=1"],
      "rollout ranks included"),
     (["algo.entropy_control=kl_cov"], "is 0 with a zero gradient"),

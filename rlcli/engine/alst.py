@@ -34,6 +34,15 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
             and hasattr(m, "self_attn")]
 
 
+def refuse_dropout(model: torch.nn.Module, role: str, knob: str) -> None:
+    """The recomputes here do not replay the random state: a model that drops out in training mode is refused."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    rates = {k: v for k, v in config.to_dict().items() if "dropout" in k and isinstance(v, float) and v > 0}
+    if rates:
+        raise ConfigError(f"{knob}: the {role}'s config drops out in training ({rates}), and the backward's recompute "
+                          f"would draw other masks than the forward: set {knob}=false")
+
+
 def tile_mlps(model: torch.nn.Module, role: str, positions: int | None, agree: Any = None) -> None:
     """hw.tiled_mlp: every block's MLP computed over tiles of `positions` positions (None: the model's hidden size,
     ALST's choice) while autograd records. `agree(k)` -> the largest k over the ranks, where every forward is a
@@ -43,6 +52,7 @@ def tile_mlps(model: torch.nn.Module, role: str, positions: int | None, agree: A
         raise ConfigError(f"hw.tiled_mlp: the {role}'s model type {config.model_type!r} routes tokens to experts "
                           "(its MLP returns the router's outputs too), which rlcli does not tile: set "
                           "hw.tiled_mlp=false")
+    refuse_dropout(model, role, "hw.tiled_mlp")
     layers = decoder_layers(model)
     if not layers:
         raise ConfigError(f"hw.tiled_mlp: the {role} ({type(model).__name__}) has no blocks with an `mlp` module "
@@ -67,6 +77,7 @@ def _tiled_forward(mlp: torch.nn.Module, plain: Any, tile: int, agree: Any, x: T
 
 def offload_checkpoints(model: torch.nn.Module, role: str) -> None:
     """hw.offload_checkpoints: each gradient-checkpointed block keeps its input in host memory until its recompute."""
+    refuse_dropout(model, role, "hw.offload_checkpoints")
     layers = [m for m in decoder_layers(model) if getattr(m, "gradient_checkpointing", False)]
     if not layers:
         raise ConfigError(f"hw.offload_checkpoints: the {role} has no gradient-checkpointed blocks: set "
