@@ -62,10 +62,13 @@ def test_the_tiled_mlp_gives_the_plain_models_outputs_and_gradients_one_tile_at_
     mlp = type(alst.decoder_layers(model)[0].mlp)
     plain = mlp.forward
     monkeypatch.setattr(mlp, "forward", lambda self, x: (calls.append(x.shape[-2]), plain(self, x))[1])
-    alst.tile_mlps(model, "policy", 7)
+    asked: list[int] = []  # where every forward is a collective, the ranks agree on a tile count once per forward
+    alst.tile_mlps(model, "policy", 7, agree=lambda k: (asked.append(k), k)[1])
     assert_same(base, update(model))
     # per layer 6 tiles of [3, 7] positions in the forward, then the backward's 6 over the flattened 3 x 42 (21 each)
-    assert calls == [7] * 6 * 2 + [21] * 6 * 2
+    assert calls == [7] * 6 * 2 + [21] * 6 * 2 and asked == [6]
+    update(model)
+    assert asked == [6, 6]  # the next forward asks again
     calls.clear()
     with torch.no_grad():
         update_free = response_logprobs(model, torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long),
@@ -84,17 +87,19 @@ def test_offloaded_checkpoints_give_the_checkpointed_models_outputs_and_gradient
     for tiled in (False, True):
         model = llama(checkpointing=True, lora=lora)
         alst.offload_checkpoints(model, "policy")
-        if tiled:
-            alst.tile_mlps(model, "policy", 5)
+        asked: list[int] = []
+        if tiled:  # the recompute of each block reuses the forward's agreed tile count (9 tiles of 5 positions)
+            alst.tile_mlps(model, "policy", 5, agree=lambda k, asked=asked: (asked.append(k), k)[1])
         kept: list[torch.Size] = []
         monkeypatch.setattr(alst._OffloadedCheckpoint, "apply",
                             lambda *a, kept=kept: (kept.append(a[1].shape), apply(*a))[1])
         assert_same(base, update(model))
         assert kept == [torch.Size([3, 42, 64])] * 2  # each block's input, once
+        assert asked == ([9] if tiled else [])
 
 
 def test_the_savings_refuse_what_they_cannot_run():
-    """A mixture of experts (its MLP returns router outputs), a model without blocks, offload without checkpoints, a
+    """A mixture of experts (its MLP returns router outputs; by any of the config keys or an `experts` module), a model without blocks, offload without checkpoints, a
     model that drops out in training (the recomputes do not replay the random state)."""
     moe = LlamaForCausalLM(LlamaConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                                        intermediate_size=32, vocab_size=50))
@@ -102,6 +107,14 @@ def test_the_savings_refuse_what_they_cannot_run():
     with pytest.raises(ConfigError, match="routes tokens to experts"):
         alst.tile_mlps(moe, "policy", None)
     assert MixtralConfig().num_local_experts == 8
+    del moe.config.num_local_experts
+    moe.config.n_routed_experts = 4  # DeepSeek-V2/V3's name for it
+    with pytest.raises(ConfigError, match="routes tokens to experts"):
+        alst.tile_mlps(moe, "policy", None)
+    del moe.config.n_routed_experts
+    moe.model.layers[0].mlp.experts = torch.nn.ModuleList()  # a sparse block whatever its config calls the count
+    with pytest.raises(ConfigError, match="routes tokens to experts"):
+        alst.tile_mlps(moe, "policy", None)
     with pytest.raises(ConfigError, match="no blocks with an `mlp`"):
         alst.tile_mlps(type("Head", (torch.nn.Module,), {"config": LlamaConfig(hidden_size=8, num_attention_heads=2)})(), "critic", None)
     with pytest.raises(ConfigError, match="model.gradient_checkpointing=true"):

@@ -5,8 +5,9 @@ import pytest
 
 from rlcli.commands.bench import step_floor
 
-RUN = {"params_m": 100, "ranks": 2, "trajectories": 64, "gen_batch_size": 16, "precision": "bf16",
-       "prompt_length/mean": 10, "response_length/max": 50, "forward_tokens_per_step": 4000, "score_passes": 1}
+RUN = {"params_m": 100, "ranks": 2, "trajectories": 64, "groups": 8, "gen_batch_size": 16, "precision": "bf16",
+       "prompt_length/mean": 10, "response_length/max": 50, "forward_tokens_per_step": 4000, "score_passes": 1,
+       "engine": "hf", "prefill_shared": False}
 
 
 def test_the_floor_counts_flops_at_the_peak_and_decoding_at_the_bandwidth():
@@ -17,3 +18,12 @@ def test_the_floor_counts_flops_at_the_peak_and_decoding_at_the_bandwidth():
     assert step_floor(RUN, 200, 20) == pytest.approx({"rollout": 1.92, "score": 2.0, "update": 6.0})
     assert step_floor({**RUN, "precision": "fp32"}, 200, 5)["rollout"] == pytest.approx(8.32)
     assert step_floor({**RUN, "score_passes": 0}, 200, 20)["score"] == 0
+
+
+def test_the_floor_prefills_a_shared_prompt_once_and_vllm_decodes_in_one_call():
+    """Each group's prompt once (HF's rollout.prefill_once): 4 of this rank's 8 groups' prompts, 2e8 x 4 x 10 / 2e11
+    = 0.04 s of prefill, + the same 1.6 s of decoding. vLLM (its prefix cache shares the prompt too) decodes this
+    rank's 32 rows in one call: 50 steps of max(0.01, 2e8 x 32 / 2e11 = 0.032) s = 1.6 s, + 0.04 s."""
+    assert step_floor({**RUN, "prefill_shared": True}, 200, 20)["rollout"] == pytest.approx(0.04 + 1.6)
+    assert step_floor({**RUN, "engine": "vllm", "prefill_shared": True}, 200, 20)["rollout"] == pytest.approx(1.64)
+    assert step_floor({**RUN, "engine": "vllm", "gen_batch_size": 4}, 200, 20)["rollout"] == pytest.approx(0.32 + 1.6)

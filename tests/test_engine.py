@@ -360,3 +360,19 @@ def test_gpu_smoke_kills_a_timed_out_configuration_with_the_processes_it_started
     time.sleep(0.5)
     stat = Path(f"/proc/{pid}/stat")
     assert not stat.exists() or stat.read_text().split(") ")[1][0] == "Z"  # gone, or dead and not yet reaped
+
+
+def test_the_registry_of_zero3_engines_keeps_none_alive():
+    """rlcli.engine._ZERO3 (module -> its ZeRO-3 engine, for generation_weights) forgets an engine nobody else holds,
+    so that a finished trainer's engines are not kept by it."""
+    import gc
+
+    class Held:
+        module = None
+
+    held = Held()
+    eng._ZERO3[-1] = held
+    assert eng._ZERO3.get(-1) is held
+    del held
+    gc.collect()
+    assert -1 not in eng._ZERO3

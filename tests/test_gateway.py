@@ -112,7 +112,9 @@ def test_sampled_agent_rows_hold_the_sampled_tokens_verbatim_and_mask_the_rest(p
     observed = b.token_mask - b.response_mask
     assert observed.sum() > 0 and torch.equal(observed.sum(-1), b.extras["env/observation_tokens"])
     generated = [tok.decode(new, skip_special_tokens=True) for _, (new, _) in calls]
-    assert not any(g.strip() and g in text for g in generated for text in encoded if text not in prompts)
+    # (a text of a few characters may occur in an observation by chance: those only may not be encoded as they are)
+    assert not any(g.strip() and (g == text or len(g.strip()) >= 8 and g in text)
+                   for g in generated for text in encoded if text not in prompts)
     for i, (_, r) in enumerate(rows):  # the reward reads what the policy wrote, no observation
         assert b.texts[i] == tok.decode([x for x, m in zip(r, b.response_mask[i].tolist()) if m], skip_special_tokens=True)
 

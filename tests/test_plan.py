@@ -16,11 +16,11 @@ from conftest import ROOT, compose
 
 from rlcli.plan import roofline
 from rlcli.plan.activations import activation_elements_per_token, kv_cache_bytes, kv_token_bytes
-from rlcli.plan.budget import fix_budget
+from rlcli.plan.budget import budget_pending, fix_budget
 from rlcli.plan.estimate import BUDGET, estimate, micro_slots, with_overrides
 from rlcli.plan.fixes import fixes
 from rlcli.plan.inputs import arith_bound, measure_prompts, prompt_tokens
-from rlcli.plan.report import render
+from rlcli.plan.report import fits_line, render
 from rlcli.plan.shapes import Arch, arch_of, lora_param_count, param_count
 from rlcli.plan.states import GIB, model_states
 
@@ -330,8 +330,14 @@ def test_zero3_hf_generation_counts_the_gathered_model_and_falls_back_when_it_do
     plan = fix_budget(tight, (256, ""))
     assert plan.shape["zero3_generation"] == "per_layer" and tight.rollout.zero3_generation == "per_layer"
     assert "does not fit beside the rest" in plan.notes["rollout"] and plan.rows["rollout"] == per_layer.rows["rollout"]
-    for other in (["hw.nproc=1"], ["hw.zero_stage=2"]):
+    assert "each layer gathered at every decoding step, the whole model does not fit beside the rest" in fits_line(plan)
+    assert fits_line(per_layer).endswith("each layer gathered at every decoding step (`rlcli plan` shows the table)")
+    assert "the whole model gathered once per generate call" in fits_line(gathered)
+    # auto waits for the plan only where it applies (a config without an auto budget)
+    assert budget_pending(compose(*base)) and not budget_pending(compose(*base, "rollout.zero3_generation=per_layer"))
+    for other in (["hw.nproc=1"], ["hw.zero_stage=2"], ["rollout.engine=vllm"]):
         assert estimate(compose(*base, *other)).shape["zero3_generation"] is None
+        assert not budget_pending(compose(*base, *other))
     forced = compose(*base, "rollout.zero3_generation=gathered", f"hw.device_memory_gb={device}")
     offered = {tuple(o.items()): peak for o, peak, _ in fixes(forced, estimate(forced))}
     assert offered[(("rollout.zero3_generation", "per_layer"),)] == pytest.approx(per_layer.peak)

@@ -45,12 +45,12 @@ def test_generate_returns_whole_groups():
     assert (b.truncated == (b.lengths == 6) & (b.response_ids[:, -1] != tok.eos_token_id)).all()
 
 
-def test_a_groups_prompt_prefilled_once_samples_what_a_prefill_per_row_does(monkeypatch):
+def test_a_groups_prompt_prefilled_once_samples_what_a_prefill_per_row_does(monkeypatch, tmp_path):
     """rollout.prefill_once: 3 prompts of different lengths (left padding) x 4 responses, 20 new tokens at
     temperature 1: the distinct prompts but their last token run once (3 rows of the prefill forward, not 12), and the
     same seed samples the same tokens with the sampler's log-probs equal to a prefill per row to 1e-5 (float32; the
     first token's logits come from a cached pass instead of the whole prompt's) and to the trainer's scoring. Rows
-    that repeat no neighbour take no shared prefill."""
+    that repeat no neighbour take no shared prefill, nor do caches of other kinds or collective generation."""
     import rlcli.rollout.hf as hf
 
     tok = load_tiny_tokenizer()
@@ -80,6 +80,24 @@ def test_a_groups_prompt_prefilled_once_samples_what_a_prefill_per_row_does(monk
     cache = shared(model, ids, pm)
     assert cache.get_seq_length() == ids.shape[1] - 1 and cache.layers[0].keys.shape[0] == 12
     assert shared(model, ids[::4], pm[::4]) is None  # one row per prompt: nothing to share
+    # a cache that is not plain keys and values per layer (here sliding windows), or one the checkpoint asks for
+    model.config.sliding_window, model.config.layer_types = 8, ["sliding_attention", "full_attention"] * 2
+    assert shared(model, ids, pm) is None
+    del model.config.sliding_window, model.config.layer_types
+    model.generation_config.cache_implementation = "static"
+    assert shared(model, ids, pm) is None
+    model.generation_config.cache_implementation = None
+    assert shared(model, ids, pm) is not None
+    # where every forward is a collective (ZeRO-3 over ranks: synced_gpus) a rank whose rows repeat no prompt would
+    # run one forward fewer than the others: no shared prefill there (a one-rank group here)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        torch.manual_seed(3)
+        synced = generate(model, tok, prompts, answers, n=4, max_new_tokens=20, temperature=1.0, synced_gpus=True,
+                          prefill_once=True)
+    finally:
+        torch.distributed.destroy_process_group()
+    assert prefills == [12] and torch.equal(synced.response_ids, a.response_ids)
 
 
 def test_sampling_equals_scoring_for_a_checkpoint_whose_generation_config_changes_the_distribution(tmp_path):
@@ -207,3 +225,20 @@ def test_the_chunk_check_refuses_a_model_that_scales_logits_after_the_head():
     torch.testing.assert_close(logp, own, rtol=0, atol=1e-5)
     chunked, _ = response_logprobs(granite, ids[:, :4], ones[:, :4], ids[:, 4:], ones[:, 4:], 1.0, chunk=3)
     assert (chunked - own).abs().max() > 0.1  # what the check protects against
+
+
+def test_zero3_generation_gathers_only_where_the_memory_plan_chose_it(monkeypatch):
+    """The HF engine under ZeRO-3 over ranks gathers the whole model only for rollout.zero3_generation=gathered (the
+    plan's choice, which it counts); left at auto (evaluation beside vLLM or rollout ranks, where the plan resolves
+    nothing) it goes layer by layer, and outside ZeRO-3 over ranks there is nothing to gather."""
+    from conftest import compose
+
+    import rlcli.rollout.hf as hf
+
+    tok = load_tiny_tokenizer()
+    model = build_tiny_model(TinyModelConfig(), tok, seed=0)
+    for over_ranks in (True, False):
+        monkeypatch.setattr(hf, "lockstep", lambda hw, over_ranks=over_ranks: over_ranks)
+        chosen = {mode: hf.HFEngine(model, tok, "", compose(f"rollout.zero3_generation={mode}")).gather
+                  for mode in ("auto", "gathered", "per_layer")}
+        assert chosen == {"auto": False, "gathered": over_ranks, "per_layer": False}

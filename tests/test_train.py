@@ -410,10 +410,13 @@ def test_long_sequence_savings_give_the_same_update(updates, case):
 def test_zero3_generation_with_the_model_gathered_once_samples_what_layer_by_layer_does(updates):
     """rollout.zero3_generation over two ZeRO-3 ranks: auto (gathered here: the plan fits the whole model) generates
     the same batch as per_layer (each layer gathered at every decoding step, every rank stepping until all are done),
-    so the same update follows (`same_update`); inside rlcli.engine.generation_weights every parameter is whole, and
-    after it the parameters are partitioned again (a no-op context, or one that never releases, fails this)."""
+    so the same update follows (`same_update`); the rollout engine ran gathered in the first and not in the second;
+    inside rlcli.engine.generation_weights every parameter is whole, and after it the parameters are partitioned again
+    (a no-op context, or one that never releases, fails this)."""
     gathered, per_layer = updates["zero3-rows-two"], updates["zero3-per_layer-two"]
     same_update(gathered, per_layer, "zero3")
+    assert gathered["engine_gathered"] is True and per_layer["engine_gathered"] is False
+    assert updates["zero0"]["engine_gathered"] is None
     assert gathered["generation_weights"] == (True, True)
     assert updates["zero0"]["generation_weights"] is None
 

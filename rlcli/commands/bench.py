@@ -118,6 +118,8 @@ def train_steps(overrides: list[str], steps: int = STEPS) -> dict[str, float]:
     out["groups"] = trainer.units.P
     out["ranks"] = cfg.hw.nproc * cfg.hw.nnodes
     out["gen_batch_size"] = cfg.rollout.gen_batch_size
+    out["engine"] = cfg.rollout.engine
+    out["prefill_shared"] = cfg.rollout.engine == "vllm" or cfg.rollout.prefill_once  # the bench's shapes: one turn
     out["shared"] = learner.share  # hw.share_prompts in effect: each group's prompt once in scoring and the update
     g, tp, t = out["trajectories"] / out["groups"], out["prompt_length/mean"], out["response_length/mean"]
     out["tokens_per_step"] = out["trajectories"] * (tp + t)
@@ -205,17 +207,20 @@ def memory_bandwidth(mib: int = 256, reps: int = 5) -> float:
 def step_floor(r: dict[str, float], peak: float, bandwidth: float) -> dict[str, float]:
     """The least time each FLOP-bound stage of one rank's step can take on this machine, in seconds: the FLOPs of
     stage_rates at the matmul `peak` (GFLOP/s) for scoring and the update, and for the rollout its prefill at the
-    peak plus decoding, where each step of a generate call reads every weight once (Psi x bytes per weight at
-    `bandwidth` GB/s) or computes 2Psi per row at the peak, whichever is longer, for the longest response of the
-    call. The reward and the weight push are not counted (no FLOPs of the policy)."""
+    peak (each group's prompt once where the engine shares it: vLLM's prefix cache, HF's rollout.prefill_once) plus
+    decoding, where each step of a generate call reads every weight once (Psi x bytes per weight at `bandwidth`
+    GB/s) or computes 2Psi per row at the peak, whichever is longer, for the longest response of the call (HF: calls
+    of rollout.gen_batch_size rows; vLLM: one call). The reward and the weight push are not counted (no FLOPs of the
+    policy)."""
     psi, ranks = r["params_m"] * 1e6, r["ranks"]
     rows = r["trajectories"] / ranks  # this rank's
-    per_call = min(r["gen_batch_size"], rows)
+    per_call = rows if r["engine"] == "vllm" else min(r["gen_batch_size"], rows)
     calls = math.ceil(rows / per_call)
+    prefills = r["groups"] / ranks if r["prefill_shared"] else rows
     wbytes = 2 if r["precision"] == "bf16" else 4
     step = max(psi * wbytes / (bandwidth * 1e9), 2 * psi * per_call / (peak * 1e9))
     forward = r["forward_tokens_per_step"] / ranks
-    return {"rollout": 2 * psi * rows * r["prompt_length/mean"] / (peak * 1e9) + calls * r["response_length/max"] * step,
+    return {"rollout": 2 * psi * prefills * r["prompt_length/mean"] / (peak * 1e9) + calls * r["response_length/max"] * step,
             "score": 2 * psi * forward * r["score_passes"] / (peak * 1e9),
             "update": 6 * psi * forward / (peak * 1e9)}
 

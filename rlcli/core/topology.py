@@ -36,6 +36,12 @@ def trainer_ranks(cfg: Any) -> int:
     return world_size(cfg.hw) - rollout_ranks(cfg)
 
 
+def generates_partitioned(cfg: Any) -> bool:
+    """Whether HF generation samples from ZeRO-3 partitions over several training ranks (rollout.engine=hf at
+    hw.zero_stage=3): where rollout.zero3_generation applies and its auto waits for the memory plan."""
+    return cfg.rollout.engine == "hf" and cfg.hw.zero_stage == 3 and trainer_ranks(cfg) > 1
+
+
 def free_port() -> int:
     """A TCP port nobody listens on now, so concurrent runs on one machine never collide."""
     import socket

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -336,8 +337,9 @@ def _frozen(model: torch.nn.Module) -> torch.nn.Module:
     return model.eval()
 
 
-_ZERO3: dict[int, Any] = {}
-"""id(module) -> its DeepSpeed engine, for the ZeRO-3 engines of this process (generation_weights)."""
+_ZERO3: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+"""id(module) -> its DeepSpeed engine, for the live ZeRO-3 engines of this process (generation_weights); an engine
+leaves it when it is collected (it holds its module, so the id is not reused while it is here)."""
 
 
 @contextmanager

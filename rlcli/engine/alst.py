@@ -46,23 +46,34 @@ def refuse_dropout(model: torch.nn.Module, role: str, knob: str) -> None:
 def tile_mlps(model: torch.nn.Module, role: str, positions: int | None, agree: Any = None) -> None:
     """hw.tiled_mlp: every block's MLP computed over tiles of `positions` positions (None: the model's hidden size,
     ALST's choice) while autograd records. `agree(k)` -> the largest k over the ranks, where every forward is a
-    collective (ZeRO-3 over ranks: each tile fetches the MLP's parameters, so every rank runs as many tiles)."""
+    collective (ZeRO-3 over ranks: each tile fetches the MLP's parameters, so every rank runs as many tiles): asked
+    once per forward of the model (every block sees the same positions), and the recompute of a checkpointed block
+    reuses the answer."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    if getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None):
+    layers = decoder_layers(model)
+    if any(getattr(config, key, None) for key in MOE_KEYS) or any(hasattr(layer.mlp, "experts") for layer in layers):
         raise ConfigError(f"hw.tiled_mlp: the {role}'s model type {config.model_type!r} routes tokens to experts "
                           "(its MLP returns the router's outputs too), which rlcli does not tile: set "
                           "hw.tiled_mlp=false")
     refuse_dropout(model, role, "hw.tiled_mlp")
-    layers = decoder_layers(model)
     if not layers:
         raise ConfigError(f"hw.tiled_mlp: the {role} ({type(model).__name__}) has no blocks with an `mlp` module "
                           "to tile: set hw.tiled_mlp=false")
     tile = positions or config.hidden_size
+    agreed: dict[str, int] = {}  # this forward's agreed tile count, forgotten as the next forward enters the blocks'
+    if agree is not None:  # parent (the decoder: the causal LM's forward and rlcli's chunked log-probs both run it)
+        trunk = next(m for m in model.modules() if any(
+            isinstance(c, torch.nn.ModuleList) and any(b is layers[0] for b in c) for c in m.children()))
+        trunk.register_forward_pre_hook(lambda *_: agreed.clear())
     for layer in layers:
-        layer.mlp.forward = partial(_tiled_forward, layer.mlp, type(layer.mlp).forward, tile, agree)
+        layer.mlp.forward = partial(_tiled_forward, layer.mlp, type(layer.mlp).forward, tile, agree, agreed)
 
 
-def _tiled_forward(mlp: torch.nn.Module, plain: Any, tile: int, agree: Any, x: Tensor) -> Tensor:
+MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+"""Config keys of the mixture-of-experts models (Qwen-MoE, Mixtral, DeepSeek-V2/V3, ...) with their expert count."""
+
+
+def _tiled_forward(mlp: torch.nn.Module, plain: Any, tile: int, agree: Any, agreed: dict[str, int], x: Tensor) -> Tensor:
     """`plain(mlp, x)` over tiles of `tile` positions of x [..., positions, hidden] (TiledMLP), under autograd."""
     if not torch.is_grad_enabled():
         return plain(mlp, x)
@@ -70,7 +81,9 @@ def _tiled_forward(mlp: torch.nn.Module, plain: Any, tile: int, agree: Any, x: T
 
     tiles = max(1, math.ceil(x.shape[-2] / tile))
     if agree is not None:
-        tiles = agree(tiles)
+        if "tiles" not in agreed:
+            agreed["tiles"] = agree(tiles)
+        tiles = agreed["tiles"]
     # every parameter of the MLP (LoRA's adapters too): DeepSpeed reduces their gradients after the last tile only
     return TiledMLP.apply(plain, mlp, x, tiles, list(mlp.parameters()))
 

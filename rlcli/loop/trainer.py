@@ -48,7 +48,7 @@ from rlcli.loop.plot import log_curves
 from rlcli.loop.state import NO_SIGNAL_STEPS, LoopState, seed_everything
 from rlcli.loop.summary import eval_command, no_signal_warning, startup_summary
 from rlcli.models import resolve_model_path
-from rlcli.plan.budget import fix_budget
+from rlcli.plan.budget import budget_pending, fix_budget
 from rlcli.plan.inputs import arith_bound, longest_prompt
 from rlcli.rewards import RewardManager
 from rlcli.rollout import build_engine
@@ -76,9 +76,8 @@ class Trainer:
         train, self.train_report = load_split(cfg.data, "train", cfg.seed, tokenizer=self.tokenizer, env_cfg=cfg.env)
         self.tasks = task_names(cfg.data)  # a mix of tasks (data=reasoning_gym): acc/<task>, reward/<task>
         evals, _ = load_split(cfg.data, "eval", cfg.seed, tokenizer=self.tokenizer, env_cfg=cfg.env)
-        if cfg.hw.max_tokens_per_micro_batch == "auto" or (  # `rlcli train` fixes them; a Trainer built in code
-                cfg.rollout.zero3_generation == "auto" and self.learner.lockstep and cfg.rollout.engine == "hf"):
-            # does here, from the same prompt length (the embedded task's exact bound, else the data's longest prompt)
+        if budget_pending(cfg):  # `rlcli train` fixes them; a Trainer built in code does here, from the same
+            # prompt length (the embedded task's exact bound, else the data's longest prompt)
             fix_budget(cfg, arith_bound(cfg) or longest_prompt(self.tokenizer, train + evals, cfg.env))
         self.eval_examples, self.eval_which = eval_subset(evals, cfg.eval)
         engine = "hf" if channel else cfg.rollout.engine  # with rollout ranks: evaluation only

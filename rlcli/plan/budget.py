@@ -6,7 +6,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from rlcli.core.topology import generates_partitioned
 from rlcli.plan.estimate import Plan, estimate
+
+
+def budget_pending(cfg: Any) -> bool:
+    """Whether the plan has a setting to fix before the run: hw.max_tokens_per_micro_batch=auto, or
+    rollout.zero3_generation=auto where it applies (HF generation from ZeRO-3 partitions over ranks)."""
+    return cfg.hw.max_tokens_per_micro_batch == "auto" or (
+        cfg.rollout.zero3_generation == "auto" and generates_partitioned(cfg))
 
 
 def fix_budget(cfg: Any, prompt: tuple[int, str]) -> Plan:

@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlcli.core.topology import generates_partitioned
 from rlcli.plan.activations import activation_bytes, kv_cache_bytes, kv_token_bytes, logits_bytes, micro_shape
 from rlcli.plan.inputs import device_memory, prompt_tokens
 from rlcli.plan.shapes import (
@@ -187,7 +188,7 @@ def _estimate(cfg: Any, prompt: tuple[int, str], budget: int | None, budget_note
     tile = min(hw.tiled_mlp_positions or arch.hidden, part) if hw.tiled_mlp else 0
     off_ckpt = hw.offload_checkpoints and not on_cpu  # on CPU host memory is the device's
     rows["activations"] = activation_bytes(arch, k, part, activation_element_bytes(hw), m.gradient_checkpointing,
-                                           mask=sp == 1 and (k > 1 or k < mb), tile=tile, offload=off_ckpt)
+                                           mask=sp == 1 and mb > 1, tile=tile, offload=off_ckpt)
     if off_ckpt:  # each block's checkpointed input, in host memory until its recompute
         host += arch.layers * arch.hidden * k * part * activation_element_bytes(hw)
     notes["activations"] = (f"[{k} sequences, {length} tokens]"
@@ -249,21 +250,23 @@ def _estimate(cfg: Any, prompt: tuple[int, str], budget: int | None, budget_note
     update = (rows["activations"] + rows["logits chunk"] + rows.get("teacher log-probs", 0.0)
               + (rows[ROLLOUT] if resident else 0.0))
     zero3_generation = None  # HF generation under ZeRO-3 over ranks: the whole model gathered once, or layer by layer
-    if r.engine == "hf" and hw.zero_stage == 3 and world > 1:
+    whole_fits = None  # ... and whether the whole model fits beside the rest
+    if generates_partitioned(cfg):
         copy = psi * wbytes  # every parameter, beside this rank's partition, for the generate call
-        fits = dev is None or static + max(update, rows[ROLLOUT] + copy) <= dev
-        zero3_generation = r.zero3_generation if r.zero3_generation != "auto" else "gathered" if fits else "per_layer"
+        whole_fits = dev is None or static + max(update, rows[ROLLOUT] + copy) <= dev
+        zero3_generation = r.zero3_generation if r.zero3_generation != "auto" else "gathered" if whole_fits else "per_layer"
         if zero3_generation == "gathered":
             rows[ROLLOUT] += copy
             notes[ROLLOUT] += f" + the whole model gathered once per generation, {copy / GIB:.2f} GiB (ZeRO-3)"
         else:
             notes[ROLLOUT] += ("; ZeRO-3: each layer gathered at every decoding step"
-                               + ("" if fits else f" (the whole model, {copy / GIB:.2f} GiB, does not fit beside the rest)"))
+                               + ("" if whole_fits else f" (the whole model, {copy / GIB:.2f} GiB, does not fit beside the rest)"))
     peak = static + max(update, rows[ROLLOUT])
     shape = {"psi": psi, "trainable": trainable, "world": world, "micro_rows": mb, "seq": seq, "prompt": tp,
              "prompt_note": tp_note, "budget": budget, "budget_note": budget_note, "gen_rows": gen_rows,
              "kv_room_tokens": kv_room, "arch": arch, "update_peak": static + update, "phase": "update" if update >= rows[
-                 ROLLOUT] else "rollout", "resident": resident, "zero3_generation": zero3_generation}
+                 ROLLOUT] else "rollout", "resident": resident, "zero3_generation": zero3_generation,
+             "whole_fits": whole_fits}
     return Plan(rows, notes, peak, dev, dev_note, host, shape, blockers)
 
 

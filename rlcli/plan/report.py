@@ -6,8 +6,8 @@ import sys
 from typing import Any
 
 from rlcli.plan import roofline
-from rlcli.plan.budget import fix_budget
-from rlcli.plan.estimate import ROLLOUT, Plan, estimate, with_overrides
+from rlcli.plan.budget import budget_pending, fix_budget
+from rlcli.plan.estimate import Plan, estimate, with_overrides
 from rlcli.plan.fixes import combined_fix, fixes
 from rlcli.plan.inputs import measure_prompts
 from rlcli.plan.shapes import Arch
@@ -73,7 +73,7 @@ def check_fits(cfg: Any) -> Plan | None:
     rollout.zero3_generation=auto to what fits (the frozen config and every rank then use them), and refuse a job whose estimate still exceeds the
     device's memory (with auto: not even one row per micro-batch fits) unless hw.check_memory=false. None when
     there is nothing to do (the check off, nothing auto)."""
-    if not cfg.hw.check_memory and "auto" not in (cfg.hw.max_tokens_per_micro_batch, cfg.rollout.zero3_generation):
+    if not cfg.hw.check_memory and not budget_pending(cfg):
         return None
     plan = fix_budget(cfg, measure_prompts(cfg))
     if cfg.hw.check_memory and plan.fits is False:
@@ -102,7 +102,7 @@ def fits_line(plan: Plan) -> str:
         "fits" if plan.fits else "DOES NOT FIT, hw.check_memory=false")
     gen = {"gathered": "; ZeRO-3 generation: the whole model gathered once per generate call",
            "per_layer": "; ZeRO-3 generation: each layer gathered at every decoding step"
-           + (", the whole model does not fit beside the rest" if "does not fit" in plan.notes[ROLLOUT] else "")}
+           + (", the whole model does not fit beside the rest" if s["whole_fits"] is False else "")}
     return (f"memory plan: peak {plan.peak / GIB:.2f} GiB per device{where}; longest prompt {s['prompt']} tokens "
             f"({s['prompt_note']}); update micro-batches {budget_text(plan)}{gen.get(s['zero3_generation'], '')} "
             "(`rlcli plan` shows the table)")

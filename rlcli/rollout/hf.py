@@ -177,7 +177,8 @@ def sample_tokens(model: torch.nn.Module, tokenizer: Any, prompt_ids: Tensor, pr
             am = prompt_mask[s : s + batch_size].to(device)
             recorder = SampledLogProbs()
             processors = LogitsProcessorList([*warpers(temperature, top_p, top_k), *([recorder] if with_logprobs else [])])
-            cache = shared_prefill(model, ids, am) if prefill_once else None
+            # not where every forward is a collective: a rank whose rows repeat no prompt would run one forward fewer
+            cache = shared_prefill(model, ids, am) if prefill_once and not synced_gpus else None
             out = model.generate(input_ids=ids, attention_mask=am, generation_config=config, logits_processor=processors,
                                  synced_gpus=synced_gpus, **({"past_key_values": cache} if cache is not None else {}))
             new = out.sequences[:, ids.shape[1] :]  # [b, t]
@@ -198,17 +199,21 @@ def shared_prefill(model: torch.nn.Module, ids: Tensor, mask: Tensor) -> Any:
     """rollout.prefill_once: for left-padded prompts [b, Tp] where runs of equal rows repeat a prompt (a group's G
     responses), the KV cache of each distinct prompt but its last token, computed once and copied to every row of its
     run; `generate` then runs each row's last prompt token as its first step. None when no row repeats its neighbour
-    (or prompts of one token). Position ids as `generate` counts them (real tokens only)."""
-    from transformers import DynamicCache
+    (or prompts of one token), and for a model whose cache is not plain keys and values per layer (sliding windows,
+    linear attention or recurrent states, a cache_implementation of its own): those generate as before. Position
+    ids as `generate` counts them (real tokens only)."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
 
     b, tp = ids.shape
     new_run = torch.ones(b, dtype=torch.bool)
     new_run[1:] = ((ids[1:] != ids[:-1]) | (mask[1:] != mask[:-1])).any(-1)
-    if tp < 2 or bool(new_run.all()):
+    if tp < 2 or bool(new_run.all()) or getattr(model.generation_config, "cache_implementation", None):
+        return None
+    cache = DynamicCache(config=model.config)  # its layers made from the config's layer types (else lazily, plain)
+    if any(type(layer) is not DynamicLayer for layer in cache.layers):
         return None
     first = new_run.nonzero().squeeze(-1)  # [u] the first row of each run
     pos = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)  # [b, Tp]
-    cache = DynamicCache(config=model.config)
     model(input_ids=ids[first, :-1], attention_mask=mask[first, :-1], position_ids=pos[first, :-1],
           past_key_values=cache, use_cache=True, logits_to_keep=1)
     cache.batch_select_indices(new_run.long().cumsum(0).to(ids.device) - 1)  # [b] each row's run
@@ -243,8 +248,10 @@ class HFEngine:
         self.model, self.tokenizer = model, tokenizer
         self.batch_size = cfg.rollout.gen_batch_size
         self.collective = lockstep(cfg.hw)  # ZeRO-3 over ranks: every forward is a collective
-        # rollout.zero3_generation (auto is resolved by the memory plan before the run; unresolved, it gathers)
-        self.gather = self.collective and cfg.rollout.zero3_generation != "per_layer"
+        # rollout.zero3_generation, resolved by the memory plan before the run where this engine samples the rollout;
+        # left at auto (evaluation beside vLLM or rollout ranks, which the plan does not count) it goes layer by layer
+        self.gather = self.collective and cfg.rollout.zero3_generation == "gathered"
+        self.gathered: bool | None = None  # whether the last call ran with the whole model gathered (ZeRO-3 only)
         self.prefill_once = cfg.rollout.prefill_once  # a group's prompt prefilled once for its G rows
         self.hw = cfg.hw  # the sampler computes in the trainer's precision (bf16 autocast at ZeRO-0: rlcli.models.autocast)
 
@@ -255,6 +262,7 @@ class HFEngine:
     def generate(self, prompts: list[str], answers: list[str], n: int, sampling: Sampling, group_offset: int = 0,
                  with_logprobs: bool = False) -> RolloutBatch:
         with autocast(self.hw), generation_weights(self.model, self.gather) as gathered:
+            self.gathered = gathered if self.collective else None
             return generate(self.model, self.tokenizer, prompts, answers, n, sampling.max_new_tokens, sampling.temperature,
                             sampling.top_p, sampling.top_k, self.batch_size, group_offset, with_logprobs,
                             synced_gpus=self.collective and not gathered, prefill_once=self.prefill_once)
@@ -265,6 +273,7 @@ class HFEngine:
         it up to and including the first EOS, at most its budget, and their sampler log-probs if asked."""
         ids, mask = left_padded(contexts, self.tokenizer.pad_token_id)
         with autocast(self.hw), generation_weights(self.model, self.gather) as gathered:
+            self.gathered = gathered if self.collective else None
             response_ids, logp = sample_tokens(self.model, self.tokenizer, ids, mask, max(budgets), sampling.temperature,
                                                sampling.top_p, sampling.top_k, self.batch_size, with_logprobs,
                                                self.collective and not gathered)  # turns: a prefill per row

@@ -5,7 +5,7 @@ configs run one after another in the same processes (one start-up for all of the
 
 usage: [torchrun --nproc_per_node=2] one_update.py <out.pt> <frozen config.yaml> [<frozen config.yaml> ...]
        -> out.pt: {config file stem: {"metrics", "grads", "critic_grads", "prompt_lengths", "logprobs",
-                                      "generation_weights"}}
+                                      "generation_weights", "engine_gathered"}}
 """
 
 import gc
@@ -53,7 +53,8 @@ def one_update(frozen: str) -> tuple[dict, int]:
     metrics["observed_rows"] = float((b.token_mask != b.response_mask).any(-1).sum())  # multi-turn rows (this rank)
     t.rewards.close()
     return {"metrics": metrics, **grads, "prompt_lengths": prompt_lengths, "logprobs": logprobs,
-            "generation_weights": generation_weights_states(t.learner.actor.module)}, t.rank
+            "generation_weights": generation_weights_states(t.learner.actor.module),
+            "engine_gathered": getattr(t.rollout, "gathered", None)}, t.rank
 
 
 def generation_weights_states(module: torch.nn.Module) -> tuple[bool, bool] | None:
