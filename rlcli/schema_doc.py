@@ -1,6 +1,6 @@
 """Documentation of every config knob, read from the schema's field docstrings.
 
-The dataclass schema (rlcli/config.py and the modules it imports) is the one place defaults and
+The dataclass schema (rlcli/config/ and the group schemas it composes) is the one place defaults and
 their meanings live; `rlcli train --help` and `rlcli explain` print them from there.
 """
 

@@ -53,7 +53,7 @@ def pid_or_retire(item):
     """A worker-pool task: this worker's pid; the item "retire" asks for the worker to be replaced after it."""
     import os
 
-    from rlcli.rewards.pool import retire_after_reply
+    from rlcli.core.workers import retire_after_reply
 
     if item == "retire":
         retire_after_reply()

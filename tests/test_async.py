@@ -19,8 +19,10 @@ import torch
 from conftest import FAST, ROOT, compose, metric_rows, policy_tensors, stable
 from test_checkpoint import finish, kill_tree, logged_step, start, train, wait_for
 
-from rlcli.config import off_policy, units, validate
+from rlcli.algos.config import off_policy
+from rlcli.config import validate
 from rlcli.core.schema import ConfigError
+from rlcli.core.units import units
 from rlcli.engine import checksum
 
 

@@ -161,7 +161,7 @@ def test_dapo_at_paper_scale_is_the_papers_setup():
     """DAPO arXiv:2503.14476 §4.1: 512 prompts x 16 responses, mini-batch 512 responses = 16 gradient
     updates per rollout step, lr 1e-6 with a linear warm-up over 20 rollout steps, clip 0.2 / 0.28,
     16,384 + 4,096 = 20,480 new tokens; verl's script generates 3 x 512 prompts per refill batch."""
-    from rlcli.config import units
+    from rlcli.core.units import units
 
     cfg = make(["algo=dapo", "model=qwen2.5-32b", "hw=8xa100"])
     validate(cfg)
@@ -179,7 +179,7 @@ def test_dapo_at_paper_scale_is_the_papers_setup():
 def test_vapo_at_paper_scale_is_the_papers_batch():
     """VAPO arXiv:2504.05118 §5.1: "Used 512 prompts per sampling, with each prompt sampled 16 times, and
     set the mini-batch size to 512"; actor lr 1e-6, critic 2e-6, value warmup 50 steps, α = 0.05, μ = 0.1."""
-    from rlcli.config import units
+    from rlcli.core.units import units
 
     cfg = make(["algo=vapo", "model=qwen2.5-32b", "hw=8xa100"])
     validate(cfg)

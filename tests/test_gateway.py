@@ -185,9 +185,9 @@ def test_faults_are_scored_episodes_and_the_rollout_goes_on(policy):
 def test_a_worker_that_asks_to_retire_is_replaced_once_its_result_is_back():
     """What an agent's chunk does when a thread outlives its deadline (rlcli.envs.agent.run_episodes): the result
     counts, the rest of the worker's chunk goes to its replacement, and nothing more runs in it."""
-    from rlcli.rewards.pool import RewardWorkerPool
+    from rlcli.core.workers import WorkerPool
 
-    with RewardWorkerPool("agent_fixtures.pid_or_retire", num_workers=1) as pool:
+    with WorkerPool("agent_fixtures.pid_or_retire", num_workers=1) as pool:
         first, retiring, after = (r.value for r in pool.map(["a", "retire", "b"]))
         assert first == retiring != after and pool.restarts == 1
         assert pool.map(["c"])[0].value == after

@@ -39,7 +39,8 @@ def test_bf16_at_zero0_runs_every_forward_in_bf16_over_fp32_weights(make_trainer
 
 
 def test_precision_auto_is_decided_at_validation_for_this_machine():
-    from rlcli.config import native_bf16, validate
+    from rlcli.config import validate
+    from rlcli.core.precision import native_bf16
 
     cfg = compose(*FAST, "hw.precision=auto", run_dir="/tmp/unused")
     validate(cfg)

@@ -58,7 +58,7 @@ def test_the_group_order_and_the_stages_are_the_codes():
     stated = re.search(r"Group order in `conf/config.yaml` is `([^`]+)`", config).group(1).split(", ")
     assert stated == groups
     loop = (ROOT / "rlcli" / "loop" / "trainer.py").read_text()
-    made = (ROOT / "rlcli" / "rollout" / "remote.py").read_text()  # stages 1-3 time themselves where they run
+    made = (ROOT / "rlcli" / "loop" / "remote.py").read_text()  # stages 1-3 time themselves where they run
     timed = re.findall(r'timer\("(\w+)"\)', loop) + re.findall(r'seconds\["(\w+)"\] =', made)
     design = (ROOT / "docs" / "design.md").read_text()
     assert set(timed) == {"rollout", "reward", "shape", "score", "advantage", "update", "sync"}

@@ -83,7 +83,8 @@ def test_one_learner_update_equals_a_grpo_step_written_from_the_papers_with_pad_
     from transformers import AutoModelForCausalLM
 
     from rlcli.algos.advantages import AdvantageInputs, compute_advantages, outcome_token_rewards
-    from rlcli.config import units, validate
+    from rlcli.config import validate
+    from rlcli.core.units import units
     from rlcli.engine import init_distributed
     from rlcli.loop.learner import Learner, rl_phase
 

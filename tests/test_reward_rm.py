@@ -1,5 +1,5 @@
 """reward=rm (issue 35 §2): a reward model trained by `rlcli rm` scores each (prompt, response) of the loop's rollout
-batches, in the RewardManager's one result beside the verifier: the loop's scores equal rlcli.rm.model.score and
+batches, in the RewardManager's one result beside the verifier: the loop's scores equal rlcli.models.reward.score and
 transformers' own forward on the texts `rlcli rm` trains on (plain and chat), the batch normalisation against
 hand-computed numbers, the config errors, the memory plan's row, and `rlcli train reward=rm` end to end.
 CPU, fp32, seeded, tiny, offline."""
@@ -49,15 +49,15 @@ def rollout(tokenizer, prompts, responses, ended, answers=None):
 
 # ------------------------------------------------------------------------------ the loop's score is rlcli rm's
 def test_the_loop_scores_a_rollout_batch_as_rlcli_rm_and_transformers_do(rm_dir):
-    """The RewardManager's `rm` part of each row equals rlcli.rm.model.score and a plain transformers forward on
+    """The RewardManager's `rm` part of each row equals rlcli.models.reward.score and a plain transformers forward on
     prompt + response (no EOS: `rlcli rm` pairs have none, and this tokenizer's EOS is not its pad token, so an EOS
     would move the score), one row at a time without padding; the verifier's acc is computed at weight 0."""
     from transformers import AutoModelForSequenceClassification
 
     from rlcli.models import load_tokenizer
+    from rlcli.models.reward import score
     from rlcli.models.tiny import load_tiny_tokenizer
     from rlcli.rewards import RewardManager
-    from rlcli.rm.model import score
     from rlcli.rm.pairs import arith_pairs
 
     policy = load_tiny_tokenizer()

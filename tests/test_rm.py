@@ -79,7 +79,7 @@ TEXTS = (["Q: 12+34=?\nA:", "Q: 1+2=?\nA:", "Q: 99+9=?\nA:"],
 
 
 def test_last_token_pooling_gives_equal_scores_with_left_and_right_padding(tiny_dir):
-    from rlcli.rm.model import load_reward_model, rewards, score
+    from rlcli.models.reward import load_reward_model, rewards, score
 
     model, tokenizer, new_head = load_reward_model(compose().model, tiny_dir, seed=0)
     prompts, responses = TEXTS
@@ -110,7 +110,7 @@ def test_a_lora_reward_model_trains_its_head_and_saves_merged(tiny_dir, tmp_path
     from transformers import AutoModelForSequenceClassification
 
     from rlcli.engine import save_policy
-    from rlcli.rm.model import load_reward_model, score
+    from rlcli.models.reward import load_reward_model, score
 
     model, tokenizer, _ = load_reward_model(compose("model.lora.r=4").model, tiny_dir, seed=0)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -190,7 +190,7 @@ def test_rlcli_rm_trains_saves_a_loadable_reward_model_that_scores_as_rlcli(rm_r
     from transformers import AutoModelForSequenceClassification
 
     from rlcli.models import load_tokenizer
-    from rlcli.rm.model import score
+    from rlcli.models.reward import score
     from rlcli.rm.pairs import arith_pairs
 
     out, run = rm_run
@@ -244,7 +244,7 @@ def test_two_ranks_at_zero3_train_the_reward_model_like_one_process(tmp_path, rm
     from transformers import AutoModelForSequenceClassification
 
     from rlcli.models import load_tokenizer
-    from rlcli.rm.model import score
+    from rlcli.models.reward import score
     from rlcli.rm.pairs import arith_pairs
 
     run = tmp_path / "x2"
@@ -297,7 +297,7 @@ def test_zero3_and_lora_reward_models_save_what_they_score(tmp_path, monkeypatch
     head as trained) train, and the saved directory scores as the model in the run did."""
     from transformers import AutoModelForSequenceClassification
 
-    from rlcli.rm.model import score
+    from rlcli.models.reward import score
     from rlcli.rm.train import RewardModelTrainer
 
     monkeypatch.setenv("RLCLI_CACHE", str(tmp_path / "cache"))

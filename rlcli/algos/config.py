@@ -26,6 +26,7 @@ from rlcli.core.names import (
     TOKEN_RATIO_LOSSES,
 )
 from rlcli.core.schema import ConfigError, check_ranges, rng
+from rlcli.core.topology import staleness
 
 BASELINE_WEIGHTS = ("inv_sqrt_len", "uniform")
 """`weighted_baseline` estimator weights (algo.baseline_weights)."""
@@ -327,3 +328,9 @@ def validate_distill(cfg: Any) -> None:
         raise ConfigError(f"algo={cfg.algo.name} (algo.adv_estimator=none) learns only from a teacher: set "
                           "distill.teacher=<a model directory>, e.g. a trained run's <run>/policy")
 
+
+def off_policy(cfg: Any) -> str:
+    """algo.off_policy with auto resolved: decoupled when rollout.async.max_staleness > 0, else recompute."""
+    if cfg.algo.off_policy != "auto":
+        return cfg.algo.off_policy
+    return "decoupled" if staleness(cfg) > 0 else "recompute"

@@ -173,7 +173,7 @@ def eval_job(cfg: Any) -> dict[str, float]:
 
 
 def rm_job(cfg: Any) -> dict[str, Any]:
-    from rlcli.rm.job import rm_job as job
+    from rlcli.commands.rm import rm_job as job
 
     return job(cfg)
 
@@ -358,8 +358,8 @@ def _main(argv: list[str]) -> None:
         print(explain_command(rest[0] if rest else None, CONF_DIR))
         return
     if command == "plan":  # composes without a run directory: nothing is written
+        from rlcli.commands import rm_plan as plan_rm
         from rlcli.plan import report
-        from rlcli.rm import plan as plan_rm
 
         # `rlcli plan rm ...`: the reward model `rlcli rm ...` would train
         code = plan_rm.main(rest[1:]) if rest[:1] == ["rm"] and not {"--help", "-h"} & set(rest) else report.main(rest)

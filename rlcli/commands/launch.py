@@ -1,5 +1,5 @@
 """Starting a job: the offline environment, the run directory Hydra chose, the frozen config, and the torchrun workers
-that train from it (rlcli.commands.worker). Shared by the commands that launch jobs (rlcli.commands.cli: train, eval, sft; rlcli.rm.job:
+that train from it (rlcli.commands.worker). Shared by the commands that launch jobs (rlcli.commands.cli: train, eval, sft; rlcli.commands.rm:
 rm) and by the workers themselves."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def offline_environment() -> None:
     os.environ.setdefault("WANDB_SILENT", "true")
     # User code named by a dotted path (reward.custom, env.name, env.tools) imports from the working folder, as
     # under `python -m`; appended, so a file there never shadows an installed module. Reward workers inherit
-    # sys.path (rlcli/rewards/pool.py), torchrun workers run under `python -m`.
+    # sys.path (rlcli/core/workers.py), torchrun workers run under `python -m`.
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
 

@@ -26,8 +26,8 @@ def main() -> None:
 
 
 def train(cfg: Any) -> None:
+    from rlcli.loop.remote import join, placement, serve
     from rlcli.loop.trainer import Trainer
-    from rlcli.rollout.remote import join, placement, serve
 
     place = placement(cfg)
     channel = join(cfg, place) if place is not None else None  # asynchronous rollout: the rollout ranks' channel

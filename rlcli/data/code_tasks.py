@@ -41,14 +41,14 @@ prompt is an instruction and the problem's signature + docstring, the ground tru
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import random
+import re
 import string
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
-
-from rlcli.rewards.code import doctest_checks
 
 GROUND_TRUTH_KEYS = ("assert", "prefix", "entry_point", "visible", "stdio")
 
@@ -579,3 +579,57 @@ def wrong_solution(row: dict[str, str]) -> str:
                 if _fill(t.solution, name, p, c) == row["solution"]:
                     return _fill(t.wrong, name, p, c)
     raise KeyError(f"no variant of template {t.key} has the solution {row['solution']!r}")
+
+
+def _docstring_source(prefix: str, name: str) -> str | None:
+    """The text of function `name`'s docstring in `prefix` as written in the source, escapes unread (`"a\\nb"` in
+    an example stays one line, as the model read it), or None."""
+    for text in (prefix, prefix + "    pass\n"):
+        with contextlib.suppress(SyntaxError):
+            tree = ast.parse(text)
+            break
+    else:
+        return None
+    fn = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name), None)
+    if fn is None or ast.get_docstring(fn) is None:
+        return None
+    source = ast.get_source_segment(text, fn.body[0].value) or ""
+    quoted = re.fullmatch(r"[rRuU]?(\"\"\"|'''|\"|')(.*)\1", source, re.DOTALL)
+    return quoted[2] if quoted else None
+
+
+def doctest_checks(prefix: str, entry_point: str, leave_out: tuple[str, ...] = ()) -> str | None:
+    """The `>>>` examples of the entry point's docstring in a task's prefix (HumanEval's prompt) as assert-style
+    tests, or None without one: `>>> f(x)` over the output `y` (a Python literal) is `assert f(x) == y`; an example
+    without output is asserted as written when it is a comparison (`>>> f(x) == y`, as some HumanEval docstrings
+    write it) and must be None otherwise (doctest's reading: nothing printed); a statement (`>>> xs = [1, 2]`) is
+    set-up; an example whose output is no literal (a traceback, printed text), or whose source (after `>>> `) is in
+    `leave_out`, is left out."""
+    import doctest
+
+    doc = _docstring_source(prefix, entry_point)
+    try:
+        examples = doctest.DocTestParser().get_examples(doc or "")
+    except ValueError:  # inconsistent indentation: doctest cannot read it either
+        return None
+    checks: list[ast.stmt] = []
+    for ex in (ex for ex in examples if ex.source.strip() not in leave_out):
+        want = ex.want.strip()
+        try:
+            call = ast.parse(ex.source.strip(), mode="eval").body
+        except SyntaxError:
+            with contextlib.suppress(SyntaxError):
+                checks += ast.parse(ex.source).body if not want else []
+            continue
+        if want:
+            try:
+                ast.literal_eval(want)
+            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+                continue
+            test = ast.Compare(call, [ast.Eq()], [ast.parse(want, mode="eval").body])
+        else:
+            test = call if isinstance(call, ast.Compare) else ast.Compare(call, [ast.Is()], [ast.Constant(None)])
+        checks.append(ast.Assert(test))
+    if not any(isinstance(c, ast.Assert) for c in checks):
+        return None
+    return ast.unparse(ast.fix_missing_locations(ast.Module(checks, []))) + "\n"

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rlcli.config import mixed_precision
+from rlcli.core.precision import mixed_precision
 from rlcli.core.topology import free_port
 
 
@@ -142,7 +142,7 @@ def ds_config(hw: Any, optim: Any) -> dict[str, Any]:
         "zero_optimization": zero,
         # check_grad_overflow is DeepSpeed's default; spelled out because Engine.step relies on
         # the bf16 wrappers skipping a step with a non-finite gradient norm. At ZeRO-0 bf16 is rlcli's
-        # autocast over fp32 weights (rlcli.config.mixed_precision): DeepSpeed sees an fp32 model there.
+        # autocast over fp32 weights (rlcli.core.precision.mixed_precision): DeepSpeed sees an fp32 model there.
         "bf16": {"enabled": hw.precision == "bf16" and not mixed_precision(hw), "check_grad_overflow": True},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,

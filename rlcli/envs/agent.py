@@ -12,7 +12,7 @@ answers; `row` is the data row ({"prompt", "answer"}, as environments receive it
 optionally "acc" (1 = solved; default: reward >= 1, a full score) and the numbers named in env.agent_metrics (logged
 as agent/<name>).
 
-Agents run here, in worker processes of rlcli.rewards.pool (a clock and a memory cap; it isolates nothing: an agent
+Agents run here, in worker processes of rlcli.core.workers (a clock and a memory cap; it isolates nothing: an agent
 is trusted code of the user's), each worker running a chunk of episodes at once, a thread each, so that many
 requests wait at the gateway together and are answered in one batch. This module imports no torch.
 """
@@ -87,8 +87,7 @@ def run_episodes(item: tuple[list[tuple[str, dict[str, Any]]], float]) -> list[t
     """In a worker: a chunk of episodes (base URL, row) at once, a thread each, within `timeout_s` seconds together.
     -> per episode ("ok", outcome) | ("error", why) | ("timeout", why). A thread still running at the deadline cannot
     be stopped: the pool then replaces this worker once the reply is back."""
-    from rlcli.rewards.functions import describe_args
-    from rlcli.rewards.pool import retire_after_reply
+    from rlcli.core.workers import describe_args, retire_after_reply
 
     episodes, timeout_s = item
     threads = ThreadPoolExecutor(len(episodes), thread_name_prefix="rlcli-episode")

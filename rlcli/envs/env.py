@@ -40,13 +40,13 @@ class Toolbox:
     """The configured tools: their schemas here, their calls in worker processes (rlcli.envs.tools)."""
 
     def __init__(self, cfg: Any):
-        from rlcli.rewards.pool import RewardWorkerPool
+        from rlcli.core.workers import WorkerPool
 
         self.cfg = cfg
         self.tools = load_tools(list(cfg.tools))
         self.schemas = [schema(fn) for fn in self.tools.values()]
         self.parse = TOOL_FORMATS[cfg.tool_format]
-        self.pool = RewardWorkerPool("rlcli.envs.tools.run_call", setup="rlcli.envs.tools.setup_worker",
+        self.pool = WorkerPool("rlcli.envs.tools.run_call", setup="rlcli.envs.tools.setup_worker",
                                 setup_args=(list(cfg.tools),), num_workers=cfg.tool_workers,
                                 timeout_s=cfg.tool_timeout_s, memory_mb=cfg.tool_memory_mb) if self.tools else None
 

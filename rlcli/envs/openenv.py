@@ -89,7 +89,7 @@ class OpenEnvConfig:
 
 
 def check_config(e: Any) -> None:
-    """env=openenv's rules, before any model loads (rlcli.config.validate_env): the extra is installed, one server
+    """env=openenv's rules, before any model loads (rlcli.config.rules.validate_env): the extra is installed, one server
     is named, its app imports or its URL answers."""
     o = e.openenv
     if e.name != OPENENV:

@@ -13,7 +13,7 @@
 A tool's schema (name, description, parameters) comes from its type hints and its Google-style docstring,
 through transformers' `get_json_schema`, the format chat templates take as `tools=`; it is made when a run starts. Config names tools by
 dotted path (`env.tools: [mypkg.tools.calc]`), so they import both here (schemas, call parsing) and in the
-workers that run them: the reward's `RewardWorkerPool` (rlcli/rewards/pool.py), one process per worker with an
+workers that run them: the `WorkerPool` (rlcli/core/workers.py), one process per worker with an
 address-space cap, a soft and a hard timeout, and a replacement when a worker dies. It isolates nothing: a tool runs
 as the trainer's user, with its files and network, so tools are trusted code (only their arguments are the policy's). A tool's exception or
 timeout comes back as text the policy reads (`error: ...`) and as a counted metric, never as a crash.
@@ -93,7 +93,7 @@ def parse_hermes(message: str, names: set[str]) -> list[Call]:
 TOOL_FORMATS: dict[str, Callable[[str, set[str]], list[Call]]] = {"compact": parse_compact, "hermes": parse_hermes}
 
 
-# ------------------------------------------------------------------ the workers' side (rlcli.rewards.pool)
+# ------------------------------------------------------------------ the workers' side (rlcli.core.workers)
 _TOOLS: dict[str, Callable[..., Any]] = {}
 
 

@@ -136,7 +136,7 @@ def rubric(env: Any) -> tuple[dict[str, float], list[str]]:
 
 
 def check_config(cfg: Any) -> None:
-    """env.verifiers' rules, before any model loads (rlcli.config.validate_env): set exactly with env=verifiers, the
+    """env.verifiers' rules, before any model loads (rlcli.config.rules.validate_env): set exactly with env=verifiers, the
     extra installed, the taskset and harness loadable, weights and acc naming rewards of its rubric."""
     v, agent = cfg.env.verifiers, cfg.rollout.agent
     if agent != AGENT:

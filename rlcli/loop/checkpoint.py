@@ -217,7 +217,8 @@ def check_compatible(path: str, cfg: Any) -> None:
     ConfigError naming the keys and the fix."""
     from omegaconf import OmegaConf
 
-    from rlcli.config import Config, units
+    from rlcli.config import Config
+    from rlcli.core.units import units
     from rlcli.schema_doc import knobs
 
     saved = flatten(OmegaConf.to_container(OmegaConf.load(os.path.join(path, "config.yaml")), resolve=True))

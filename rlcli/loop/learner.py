@@ -43,10 +43,11 @@ from rlcli.algos.functional import (
     top_entropy_mask,
 )
 from rlcli.algos.losses import POLICY_LOSSES
-from rlcli.config import BatchUnits, trained_model
 from rlcli.core.batch import RolloutBatch
 from rlcli.core.layout import forward_shape
 from rlcli.core.names import NEEDS_VALUES
+from rlcli.core.precision import trained_model
+from rlcli.core.units import BatchUnits
 from rlcli.engine.alst import offload_checkpoints, tile_mlps
 from rlcli.engine.collectives import agree_max, all_reduce, global_stats
 from rlcli.engine.sequence import sequence_parallel
@@ -111,7 +112,7 @@ def split_to(parts: list[list[int]], k: int) -> list[list[int]]:
 
 class Learner:
     def __init__(self, cfg: Any, model_path: str, units: BatchUnits):
-        from rlcli.config import off_policy
+        from rlcli.algos.config import off_policy
 
         self.cfg, self.units = cfg, units
         self.off_policy = off_policy(cfg)  # recompute | bypass | decoupled (algo.off_policy, auto resolved)
@@ -172,8 +173,8 @@ class Learner:
     def load_teacher(self) -> torch.nn.Module:
         """The distillation teacher (distill.teacher): frozen, eval mode, in the student's dtype and precision, sharded
         like the reference under ZeRO-3. No adapters, no checkpointing: it only scores."""
-        from rlcli.config import teacher_model
         from rlcli.engine.collectives import rank_zero_first
+        from rlcli.models.config import teacher_model
 
         model_cfg = teacher_model(self.cfg)
         path, _ = rank_zero_first(lambda: resolve_model_path(model_cfg, self.cfg.data))

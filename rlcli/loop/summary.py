@@ -7,7 +7,7 @@ from typing import Any
 
 def startup_summary(t: Any) -> str:
     """The start-up summary of a Trainer `t`: what was loaded, the algorithm, and every batch unit."""
-    from rlcli.config import off_policy
+    from rlcli.algos.config import off_policy
     from rlcli.core.topology import asynchronous, rollout_ranks, staleness, world_size
 
     cfg, a, r, hw, u, learner, s = t.cfg, t.cfg.algo, t.cfg.rollout, t.cfg.hw, t.units, t.learner, t.state
@@ -100,7 +100,7 @@ def small_held_out(n: int) -> list[str]:
 
 def precision_note(hw: Any, engine: str) -> str:
     """Which precision each part of a run computes in, and whether this device has bf16 natively."""
-    from rlcli.config import mixed_precision, native_bf16
+    from rlcli.core.precision import mixed_precision, native_bf16
 
     native = native_bf16(hw.device)
     if hw.precision == "fp32":
@@ -138,7 +138,7 @@ def judge_note(cfg: Any, here: bool) -> str:
 def old_logprob_pass(cfg: Any, on_policy: bool) -> str:
     """Whether the update computes the old policy's log-probs, and what stands in for them when it does not; with
     asynchronous rollout the rows lag even when the update is on-policy, and the summary must say so."""
-    from rlcli.config import off_policy
+    from rlcli.algos.config import off_policy
     from rlcli.core.topology import staleness
 
     mode, lag = off_policy(cfg), staleness(cfg)

@@ -18,7 +18,6 @@ pretraining is the same step in another phase (the critic alone learns, on Monte
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -29,47 +28,39 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from rlcli import __version__
-from rlcli import engine as eng
 from rlcli.algos.advantages import AdvantageInputs, compute_advantages, outcome_token_rewards
 from rlcli.algos.functional import distill_advantages, kl_estimate
 from rlcli.algos.kl import build_kl_controller
-from rlcli.config import units
 from rlcli.core.batch import RolloutBatch
-from rlcli.core.units import duration
+from rlcli.core.units import units
 from rlcli.data import load_split, prompt_stream
 from rlcli.data.reasoning_gym import episodes, task_names
-from rlcli.engine.collectives import all_reduce, barrier, gather_objects, rank_zero_first
-from rlcli.loop import checkpoint as ckpt
+from rlcli.engine.collectives import all_reduce, gather_objects
 from rlcli.loop.eval import eval_subset
+from rlcli.loop.job import Job
 from rlcli.loop.learner import Learner, Phase, rl_phase, value_pretrain_phase
-from rlcli.loop.metrics import MetricsLogger, RunLog, Timer, dump_rollouts, headline, memory_metrics
+from rlcli.loop.metrics import Timer, dump_rollouts, headline, memory_metrics
 from rlcli.loop.plot import log_curves
-from rlcli.loop.state import NO_SIGNAL_STEPS, LoopState, seed_everything
+from rlcli.loop.remote import rollout_source
+from rlcli.loop.state import NO_SIGNAL_STEPS, LoopState
 from rlcli.loop.summary import eval_command, no_signal_warning, startup_summary
-from rlcli.models import resolve_model_path
 from rlcli.plan.budget import budget_pending, fix_budget
 from rlcli.plan.inputs import arith_bound, longest_prompt
 from rlcli.rewards import RewardManager
 from rlcli.rollout import build_engine
-from rlcli.rollout.remote import rollout_source
 from rlcli.rollout.replay import ReplayBuffer
 from rlcli.rollout.sampler import DynamicSamplingExhausted, GroupSampler, sampling_metrics
 
 __all__ = ["DynamicSamplingExhausted", "Trainer"]
 
-class Trainer:
+class Trainer(Job):
+    """`rlcli train` (a Job: rlcli.loop.job runs its skeleton): the RL step, its evaluation and what it saves."""
+
     def __init__(self, cfg: Any, channel: Any = None):
-        """`channel`: to this job's rollout ranks (asynchronous rollout, rlcli.rollout.remote); None: generate here."""
-        self.cfg, self.started = cfg, time.perf_counter()
-        eng.init_distributed(cfg.hw)
-        self.rank, self.units = eng.rank(), units(cfg)
-        self.main = self.rank == 0
-        self.say = RunLog(cfg.run_dir) if self.main else None  # the terminal, and run_dir/cli.log
-        seed_everything(cfg.seed)
-        a = cfg.algo
-        # Rank 0 first, the others read its cache (all hit it under `rlcli train`: its launcher resolved it first)
-        self.model_path, self.model_source = rank_zero_first(lambda: resolve_model_path(cfg.model, cfg.data))
+        """`channel`: to this job's rollout ranks (asynchronous rollout, rlcli.loop.remote); None: generate here."""
+        super().__init__(cfg)
+        self.units = units(cfg)
+        self.world, self.eval_every, a = self.units.world, cfg.eval.every, cfg.algo
         self.learner = Learner(cfg, self.model_path, self.units)
         self.tokenizer = self.learner.tokenizer
         self.rewards = RewardManager.for_run(cfg, self.tokenizer, with_model=channel is None)  # else rollout ranks score
@@ -96,68 +87,47 @@ class Trainer:
             rollout=rollout_source(cfg, channel, self.rollout, self.rewards),
         )
         self.timer = Timer()  # the current step's stage timer (its last stage is named in errors)
-        self.resumed_from = ckpt.resolve(cfg.resume, cfg.run_dir)
-        meta = self.restore(self.resumed_from) if self.resumed_from else {}
-        self.logger = MetricsLogger.of_run(cfg, self.resumed_from, meta, enabled=self.main)
+        self.resume()
 
-    # ------------------------------------------------------------------ the loop
-    def fit(self) -> dict[str, Any]:
-        cfg, s = self.cfg, self.state
-        first = s.step
-        self.print(startup_summary(self))
-        with ckpt.StopSignals(announce=ckpt.to_stderr if self.main else None, saves=cfg.save) as signals:
-            if s.step:
-                self.print(f"resumed from {self.resumed_from}: {s.step} of {cfg.steps} steps done")
-            elif cfg.eval.before:
-                s.result["eval_before"] = self.evaluate("before training")
-                self.print(f"held-out accuracy before training: {s.result['eval_before']['eval/acc']:.3f}")
-                self.logger.log({f"{k}_before": v for k, v in s.result["eval_before"].items()}, step=0)
-            if self.units.pretrain_steps and not s.step:
-                s.result["value_pretrain"] = self.pretrain_critic()
-            bar = tqdm(range(s.step + 1, cfg.steps + 1), desc="train", initial=s.step, total=cfg.steps,
-                       disable=not self.main, dynamic_ncols=True)
-            for step in bar:
-                try:
-                    metrics = self.train_step(step)
-                except Exception as e:  # e.g. a collective timed out: say which rank was where
-                    e.add_note(f"rank {self.rank} of {self.units.world}: training step {step}, in or after stage "
-                               f"{self.timer.stage}")
-                    raise
-                s.end_step(step, metrics, cfg.algo.mini_batches * cfg.algo.ppo_epochs, cfg.optim.max_skipped_steps)
-                if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.steps:
-                    metrics.update(self.evaluate(f"at step {step}"))
-                self.logger.log(metrics, step)
-                bar.set_postfix(acc=f"{metrics['acc/mean']:.2f}", len=f"{metrics['response_length/mean']:.0f}")
-                if step % cfg.logger.log_every == 0:
-                    self.print(headline(metrics, step))
-                if s.no_signal_in_a_row == NO_SIGNAL_STEPS:
-                    self.print(no_signal_warning(metrics, s.no_signal_in_a_row))
-                signum = int(all_reduce(torch.tensor(signals.signum), "max").item())  # any rank signalled
-                every, hf_every, path = cfg.checkpoint.every, cfg.checkpoint.hf_every, None
-                if cfg.save and (signum or (every and (step % every == 0 or step == cfg.steps))):
-                    path = self.save_checkpoint()
-                if cfg.save and hf_every and step % hf_every == 0:
-                    self.save_hf(step)
-                if signum:
-                    self.stop(signum, path)
-        s.rollout.close()  # the rollout ranks are done: none waits on its request timeout through the evaluation
-        s.result["train_seconds"] = s.train_seconds
-        s.result["eval_after"] = self.evaluate("after training")
-        self.logger.log({f"{k}_after": v for k, v in s.result["eval_after"].items()}, step=cfg.steps)
-        self.print(
-            f"held-out accuracy after training: {s.result['eval_after']['eval/acc']:.3f}"
-            + (f" (before: {s.result['eval_before']['eval/acc']:.3f})" if "eval_before" in s.result else "")
-        )
-        if cfg.save:  # all ranks: under ZeRO-3 the weights are gathered from every rank's partition
-            s.result["policy_path"] = self.learner.save_final(cfg.run_dir)
-            self.print(f"saved policy to {s.result['policy_path']} (AutoModelForCausalLM.from_pretrained loads it)")
-        if self.main:
-            with open(os.path.join(cfg.run_dir, "result.json"), "w") as f:
-                json.dump({**s.result, "rlcli_version": __version__}, f, indent=2)
-        log_curves(self.logger, s.result, cfg.steps)  # to the logger backends, as `rlcli plot` draws them
-        self.print(self.end_summary(cfg.steps - first))
-        self.close()
-        return s.result
+    # ------------------------------------------------------------------ the job's protocol (rlcli.loop.job)
+    def summary(self) -> str:
+        return startup_summary(self)
+
+    def before_training(self) -> None:
+        if self.cfg.eval.before:
+            self.evaluate_before()
+        if self.units.pretrain_steps:
+            self.state.result["value_pretrain"] = self.pretrain_critic()
+
+    def end_step(self, step: int, metrics: dict[str, float]) -> None:
+        a = self.cfg.algo
+        self.state.end_step(step, metrics, a.mini_batches * a.ppo_epochs, self.cfg.optim.max_skipped_steps)
+
+    def postfix(self, metrics: dict[str, float]) -> dict[str, str]:
+        return {"acc": f"{metrics['acc/mean']:.2f}", "len": f"{metrics['response_length/mean']:.0f}"}
+
+    def step_line(self, metrics: dict[str, float], step: int) -> str:
+        return headline(metrics, step)
+
+    def notes(self, metrics: dict[str, float]) -> list[str]:
+        s = self.state
+        return [no_signal_warning(metrics, s.no_signal_in_a_row)] if s.no_signal_in_a_row == NO_SIGNAL_STEPS else []
+
+    def after_checkpoint(self, step: int) -> None:
+        if self.cfg.save and self.cfg.checkpoint.hf_every and step % self.cfg.checkpoint.hf_every == 0:
+            self.save_hf(step)
+
+    def end_training(self) -> None:
+        self.state.rollout.close()  # the rollout ranks are done: none waits on its request timeout through evaluation
+
+    def save_final(self) -> tuple[str, str, str]:
+        return "policy_path", self.learner.save_final(self.cfg.run_dir), "AutoModelForCausalLM.from_pretrained loads it"
+
+    def after_fit(self) -> None:
+        log_curves(self.logger, self.state.result, self.cfg.steps)  # to the logger backends, as `rlcli plot` draws them
+
+    def stage(self) -> str | None:
+        return self.timer.stage
 
     def train_step(self, step: int, phase: Phase | None = None) -> dict[str, float]:
         phase = phase or rl_phase(self.cfg)
@@ -283,19 +253,16 @@ class Trainer:
         rows = [r for part in gather_objects(rows[: len(rows) - pad]) for r in part]
         return metrics(rows, self.cfg.eval)
 
-    def save_checkpoint(self) -> str:
-        """Write everything the next step depends on (layout: rlcli.loop.checkpoint); all ranks call it.
-        -> the checkpoint directory"""
-        cfg, step, t0 = self.cfg, self.state.step, time.perf_counter()
-        tmp = ckpt.staging(cfg.run_dir, step, self.rank, barrier)
-        self.learner.save(tmp)
-        torch.save(self.state.state_dict(), os.path.join(tmp, f"rank_{self.rank}.pt"))
-        if self.main:
-            self.logger.snapshot(os.path.join(tmp, "metrics.jsonl"))
-            ckpt.write_run_files(tmp, cfg, step, self.units.world, self.logger.run_ids)
-        path = ckpt.commit(cfg.run_dir, step, cfg.checkpoint.keep_last, self.rank, barrier)
-        self.print(f"checkpoint {path} ({time.perf_counter() - t0:.1f} s)")
-        return path
+    def save_weights(self, path: str) -> None:
+        self.learner.save(path)
+
+    def load_weights(self, path: str) -> None:
+        self.learner.load(path)
+
+    def restore(self, path: str) -> dict[str, Any]:
+        meta = super().restore(path)
+        self.rollout.update_weights()  # the engine was built from the initial weights
+        return meta
 
     def save_hf(self, step: int) -> None:
         """run_dir/hf/step_<step>: the policy as the final one is saved (checkpoint.hf_every). All ranks call it."""
@@ -303,72 +270,29 @@ class Trainer:
         path = self.learner.save_policy(os.path.join(self.cfg.run_dir, "hf", f"step_{step}"))
         self.print(f"saved {path} ({time.perf_counter() - t0:.1f} s; AutoModelForCausalLM.from_pretrained loads it)")
 
-    def end_summary(self, steps: int) -> str:
-        """What the run took and left behind, and what to run next (after training `steps` steps here)."""
-        cfg, run = self.cfg, self.cfg.run_dir
-        lines = [f"done: {steps} steps, {duration(time.perf_counter() - self.started)} from loading the model to "
-                 f"the end ({duration(self.state.train_seconds)} in training steps); results in {run}",
-                 "  result.json     held-out accuracy before and after training",
-                 "  metrics.jsonl   every metric of every step (docs/metrics.md)",
-                 "  cli.log         what this run printed"]
-        policy = self.state.result.get("policy_path")
-        if policy:
+    def outputs(self) -> list[str]:
+        run, lines = self.cfg.run_dir, []
+        if self.state.result.get("policy_path"):
             lines.append("  policy/         the trained policy (AutoModelForCausalLM.from_pretrained loads it)")
         if os.path.isdir(hf := os.path.join(run, "hf")):
             lines.append(f"  hf/             {' '.join(sorted(os.listdir(hf), key=lambda n: (len(n), n)))} "
                          "(checkpoint.hf_every)")
-        if done := ckpt.done_steps(run):
-            lines.append(f"  checkpoints/    step_{done[-1]} (the same command with a larger steps=, "
-                         f"resume=auto and hydra.run.dir={run} trains on from it)")
-        if not cfg.save:
+        if not self.cfg.save:
             lines.append("  save=false: no policy and no checkpoint written")
-        lines += [f"  {note}" for note in self.logger.notes]
-        if self.state.no_signal_steps:
-            lines.append(f"warning: {self.state.no_signal_steps} of the run's {self.state.step} steps had every "
-                         "advantage 0 (every group's rewards equal): nothing was learned from them")
-        lines.append("next:")
-        if policy:
-            lines.append(f"  {eval_command(run, policy)}")
-        lines.append(f"  rlcli plot {run}")
-        return "\n".join(lines)
+        return lines
 
-    def restore(self, path: str) -> dict[str, Any]:
-        """Load the checkpoint at `path` into this freshly built trainer. -> its meta.json"""
-        meta = ckpt.read_meta(path)
-        if meta["world_size"] != self.units.world:
-            raise ValueError(f"{path} was written by {meta['world_size']} ranks, this run has {self.units.world}: "
-                             f"resume with hw.nproc={meta['world_size']}")
-        self.learner.load(path)
-        self.state.load_state_dict(torch.load(os.path.join(path, f"rank_{self.rank}.pt"), weights_only=False))
-        self.rollout.update_weights()  # the engine was built from the initial weights
-        # The same run continues its logger backends' runs; a branch into another run directory starts new ones.
-        return meta if meta["run_dir"] == self.cfg.run_dir else {**meta, "logger_ids": {}}
-
-    def stop(self, signum: int, path: str | None) -> None:
-        """Exit after the checkpoint a SIGTERM/SIGINT asked for (none with save=false), saying how to continue."""
-        import signal
-
-        name = signal.Signals(signum).name
-        if path is None:
-            self.print(f"stopped by {name} after step {self.state.step}; save=false: no checkpoint written")
-        else:
-            self.print(f"stopped by {name} after step {self.state.step}; checkpoint: {path}\n"
-                       f"continue with:\n  {ckpt.resume_command(self.cfg.run_dir)}")
-        self.close()
-        raise ckpt.Stopped(128 + signum)
+    def closing(self) -> list[str]:
+        s, policy = self.state, self.state.result.get("policy_path")
+        lines = [f"warning: {s.no_signal_steps} of the run's {s.step} steps had every advantage 0 (every group's "
+                 "rewards equal): nothing was learned from them"] if s.no_signal_steps else []
+        return lines + ["next:", *([f"  {eval_command(self.cfg.run_dir, policy)}"] if policy else []),
+                        f"  rlcli plot {self.cfg.run_dir}"]
 
     def close(self) -> None:
         self.state.rollout.close()
         self.rollout.close()  # a multi-turn engine's tool workers
-        self.logger.close()
         self.rewards.close()
-        if self.say is not None:
-            self.say.close()
-
-    def print(self, msg: str) -> None:
-        """To the terminal and run_dir/cli.log (rank 0)."""
-        if self.say is not None:
-            self.say(msg)
+        super().close()
 
 
 def distill_metrics(batch: RolloutBatch, unlikely_p: float) -> dict[str, float]:

@@ -30,7 +30,7 @@ def check_teacher(cfg: Any) -> None:
     teacher = cfg.distill.teacher
     if not teacher or teacher == "self":  # self-distillation: the student's own weights and tokenizer
         return
-    from rlcli.config import teacher_model
+    from rlcli.models.config import teacher_model
 
     model = teacher_model(cfg)
     if model.path and not os.path.isfile(os.path.join(os.path.expanduser(teacher), "config.json")):

@@ -4,10 +4,14 @@ vocabulary, importable without torch: composing and validating a config never im
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+
+from rlcli.core.names import ATTN_IMPLEMENTATIONS, MODEL_DTYPES
+from rlcli.core.precision import trained_model
 from rlcli.core.schema import ConfigError, check_ranges, rng
 
 TOKENIZER_DIR = Path(__file__).parent / "tokenizer"
@@ -170,3 +174,86 @@ def _in_hub_cache(hub_id: str, files: tuple[str, ...]) -> bool:
         return any(isinstance(try_to_load_from_cache(hub_id, name), str) for name in files)
     except Exception:  # an id huggingface_hub refuses (HFValidationError) is not in the cache either
         return False
+
+
+@dataclass
+class LoRAConfig:
+    """Low-rank adapters on the policy (Hu et al. 2021, arXiv:2106.09685), through peft (`pip install
+    rlcli[lora]`). Only the adapters train; the reference policy is the base model with the adapters
+    disabled (no second copy); checkpoints hold the adapters; the saved policy is merged."""
+
+    r: int = rng(0, ge=0, why="0 = no LoRA")
+    """Adapter rank (0 = no LoRA: every weight trains)."""
+    alpha: float = rng(16.0, gt=0)
+    """Scale: the adapter's update is multiplied by alpha / r."""
+    dropout: float = rng(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input."""
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    """Names of the linear layers that get adapters (Llama / Qwen2 attention and MLP projections)."""
+
+@dataclass
+class ArchConfig:
+    """Architecture facts for `rlcli plan` (docs/memory.md), copied from a hub model's config.json, so the memory
+    estimate needs no download. Read only when model.path is a hub id: a local model.path has its config.json
+    read instead, and the embedded tiny model (model.path null) is sized by model.tiny.*."""
+
+    hidden_size: int | None = rng(None, ge=1)
+    """Width of the residual stream (config.json hidden_size)."""
+    num_hidden_layers: int | None = rng(None, ge=1)
+    """Transformer blocks."""
+    intermediate_size: int | None = rng(None, ge=1)
+    """Width of the SwiGLU MLP."""
+    vocab_size: int | None = rng(None, ge=1)
+    """Rows of the embedding and of the output projection."""
+    num_attention_heads: int | None = rng(None, ge=1)
+    """Query heads."""
+    num_key_value_heads: int | None = rng(None, ge=1)
+    """Key/value heads (grouped-query attention); null = num_attention_heads."""
+    head_dim: int | None = rng(None, ge=1)
+    """Per-head width; null = hidden_size / num_attention_heads."""
+    tie_word_embeddings: bool = False
+    """The output projection shares the input embedding's weights."""
+    attention_bias: bool = False
+    """The q, k and v projections have biases (Qwen2: true; Llama: false)."""
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    """Preset name, for logs and run names."""
+    path: str | None = None
+    """A local directory or hub id loaded with AutoModelForCausalLM; null = the embedded tiny model (warm-started),
+    or the model.gguf_file."""
+    gguf_file: str | None = None
+    """A local GGUF file (or pkg:<package>/<file> inside an installed package), converted once into rlcli's cache
+    as a Hugging Face directory, keyed by the file's content (rlcli/models/gguf.py); used when model.path is null."""
+    tokenizer_path: str | None = None
+    """Tokenizer location if it differs from `path`."""
+    dtype: str = rng("float32", choices=MODEL_DTYPES)
+    """Weights dtype when loading: float32 | bfloat16 (fp16 is refused on CPU by DeepSpeed)."""
+    attn_implementation: str | None = rng(None, choices=ATTN_IMPLEMENTATIONS)
+    """transformers attention backend (eager | sdpa | flash_attention_2); null = library default."""
+    trust_remote_code: bool = False
+    """Passed to from_pretrained for hub models that ship their own code."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """LoRA adapters instead of full fine-tuning of the policy (model.lora.r > 0)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory (large models); the policy and the critic."""
+    arch: ArchConfig = field(default_factory=ArchConfig)
+    """Architecture of a hub model for the memory planner (`rlcli plan`); presets set it."""
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    """Architecture of the embedded tiny Llama (used when `path` is null)."""
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    """Supervised warm-start of the tiny model on the embedded task (built on first use, cached)."""
+
+def teacher_model(cfg: Any) -> Any:
+    """distill.teacher as a model config, trained-model dtype, no adapters, no checkpointing: the `model:` node of a
+    model preset (conf/model/<name>.yaml, resolved as `model=<name>` resolves: a GGUF conversion, the tiny model's
+    warm start, cached), or cfg.model pointed at a local directory."""
+    name = cfg.distill.teacher
+    preset = Path(__file__).resolve().parent.parent / "conf" / "model" / f"{name}.yaml"
+    frozen = {"dtype": trained_model(cfg).dtype, "lora": {"r": 0}, "gradient_checkpointing": False}
+    if "/" not in name and preset.is_file():
+        return OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(preset).model, frozen)
+    return OmegaConf.merge(cfg.model, {"path": name, "tokenizer_path": None, "gguf_file": None}, frozen)

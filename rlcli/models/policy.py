@@ -19,9 +19,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def autocast(hw: Any) -> Any:
     """The context every forward pass of the trained models runs in (scoring, the update, HF generation): bf16
-    autocast under `rlcli.config.mixed_precision(hw)`, else a no-op. Backward passes follow the forward's dtypes by
+    autocast under `rlcli.core.precision.mixed_precision(hw)`, else a no-op. Backward passes follow the forward's dtypes by
     themselves; log-softmax, losses and reductions stay fp32 (rlcli casts logits to fp32 before them)."""
-    from rlcli.config import mixed_precision
+    from rlcli.core.precision import mixed_precision
 
     return torch.autocast(hw.device, dtype=torch.bfloat16, enabled=mixed_precision(hw))
 

@@ -93,16 +93,17 @@ def auto_budget(cfg: Any, prompt: tuple[int, str]) -> Plan:
 def micro_slots(cfg: Any, prompt: int, rows: int) -> int:
     """Token positions a forward over a micro-batch of `rows` rows runs (rows x (prompt + max_new_tokens), or fewer
     with shared prompts: rlcli.plan.activations.micro_shape), what hw.max_tokens_per_micro_batch caps."""
-    from rlcli.config import shares_prompts, units
+    from rlcli.core.units import shares_prompts, units
 
     k, length = micro_shape(rows, units(cfg).G, prompt, cfg.rollout.max_new_tokens, shares_prompts(cfg))
     return k * length
 
 
 def _estimate(cfg: Any, prompt: tuple[int, str], budget: int | None, budget_note: str) -> Plan:
-    from rlcli.config import mixed_precision, shares_prompts, units
     from rlcli.core.names import NEEDS_VALUES
+    from rlcli.core.precision import mixed_precision
     from rlcli.core.topology import trainer_ranks
+    from rlcli.core.units import shares_prompts, units
 
     hw, m, r, a = cfg.hw, cfg.model, cfg.rollout, cfg.algo
     arch = arch_of(m)
@@ -274,7 +275,7 @@ def teacher_bytes(cfg: Any, policy: Arch, wbytes: int, world: int, host: float) 
     """distill.teacher: its frozen weights in the student's bytes per weight, partitioned like the reference model
     under ZeRO-3 (offloaded with offload_params), from the teacher's config.json (else the student's shape, said so).
     -> (bytes per device, note, host bytes)"""
-    from rlcli.config import teacher_model
+    from rlcli.models.config import teacher_model
 
     hw, model = cfg.hw, teacher_model(cfg)
     if model.path is None or os.path.isfile(os.path.join(model.path, "config.json")):
@@ -307,7 +308,8 @@ def reward_model_bytes(cfg: Any, policy: Arch, world: int) -> tuple[float, str]:
     counts a reward model (rm_param_count), from reward.rm.path's config.json (else the policy's size,
     said so). Its forward has no gradient and runs between generation and the update: its activations are not
     counted."""
-    from rlcli.config import inference_dtype, reward_model_partitioned
+    from rlcli.core.precision import inference_dtype
+    from rlcli.rewards.config import reward_model_partitioned
 
     arch, readable = arch_at(cfg.reward.rm.path, policy)
     psi, nbytes = rm_param_count(arch), 4 if inference_dtype(cfg) == "float32" else 2

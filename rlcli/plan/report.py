@@ -111,7 +111,7 @@ def fits_line(plan: Plan) -> str:
 HELP = """rlcli plan: per-device memory of a training config, estimated before anything is loaded.
 
 usage: rlcli plan [group=option ...] [key=value ...]      e.g. rlcli plan model=qwen2.5-32b hw=8xa100 algo=dapo
-       rlcli plan rm [group=option ...] [key=value ...]   the reward model of `rlcli rm` (rlcli/rm/plan.py)
+       rlcli plan rm [group=option ...] [key=value ...]   the reward model of `rlcli rm` (rlcli/commands/rm_plan.py)
 
 Prints, in GiB per device: the policy's weights, gradients and optimizer states (by hw.precision, hw.zero_stage
 over hw.nproc x hw.nnodes ranks, hw.offload_optimizer, hw.offload_params), the reference model (algo.kl_coef > 0,

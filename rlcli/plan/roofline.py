@@ -61,8 +61,8 @@ def step_time(cfg: Any, plan: Any, response: int | None = None) -> StepTime | No
     """The estimate for `cfg` with its memory plan `plan` (rlcli.plan.estimate), every response `response` tokens
     long (None = rollout.max_new_tokens: the worst case); None without the device's peak and bandwidth
     (hw.peak_tflops, hw.memory_bandwidth_gbs)."""
-    from rlcli.config import units
     from rlcli.core.names import NEEDS_VALUES
+    from rlcli.core.units import units
     from rlcli.plan.activations import kv_token_bytes
     from rlcli.plan.states import compute_bytes
 

@@ -27,7 +27,7 @@ class StateBytes:
 def state_bytes(precision: str, zero_stage: int) -> StateBytes:
     """fp32: 4-byte weights (the master copy) and gradients, Adam m and v (8); ZeRO >= 1 also keeps an fp32 copy
     of its weight partition (12). bf16 at ZeRO >= 1: the paper's mixed precision, 2 + 2 + K=12 (fp32 master,
-    m, v). bf16 at ZeRO-0 is rlcli's autocast over fp32 weights (rlcli.config.mixed_precision): the states of
+    m, v). bf16 at ZeRO-0 is rlcli's autocast over fp32 weights (rlcli.core.precision.mixed_precision): the states of
     fp32, 4 + 4 + 8, and model_states adds autocast's bf16 copy of the weights."""
     if precision == "fp32" or zero_stage == 0:
         return StateBytes(4, 4, 12 if zero_stage else 8)
@@ -48,7 +48,7 @@ def activation_element_bytes(hw: Any) -> int:
     autocast keeps 0.81 of fp32's bytes at SmolLM2-135M's block shape and 0.67 at Qwen2.5-0.5B's, against the 0.5
     that 2 bytes would claim; the plan counts 4 (a bound: planned at 2, a SmolLM2 run the plan passed at 99% of
     RAM was killed for memory)."""
-    from rlcli.config import mixed_precision
+    from rlcli.core.precision import mixed_precision
 
     return 4 if mixed_precision(hw) else compute_bytes(hw.precision)
 

@@ -8,7 +8,7 @@
     batch, counts = manager.reward_batch(batch)       # stage 2 on a RolloutBatch: every part, the models' too
 
 The formula and the failure rules are in rlcli/rewards/config.py and docs/rewards.md. The reward functions
-run on the response text in the reward workers (rlcli/rewards/pool.py: a clock and a memory cap, no isolation;
+run on the response text in the reward workers (rlcli/core/workers.py: a clock and a memory cap, no isolation;
 reward=code's programs run in a sandbox of their own, rlcli/rewards/sandbox/); the model parts (`rm`, a reward
 model, rlcli/rewards/model.py; `judge`, a generative judge, rlcli/rewards/judge.py; one interface,
 rlcli/rewards/scorer.py) read the prompt as well, so `reward_batch` adds them in this process, into the same score.
@@ -20,10 +20,10 @@ tensors are built, and a model part's module only when it is used.
 
 from rlcli.core.lazy import exports
 
-__all__ = ["COUNTS", "MODEL_PARTS", "REWARDS", "RewardConfig", "RewardManager", "RewardOutput", "RewardWorkerPool",
+__all__ = ["COUNTS", "MODEL_PARTS", "REWARDS", "RewardConfig", "RewardManager", "RewardOutput", "WorkerPool",
            "TaskResult", "extract_final_answer", "group_base", "store_group_schema", "validate"]
 __getattr__ = exports(__name__, {
     "COUNTS": "code", "MODEL_PARTS": "config", "RewardConfig": "config", "group_base": "config",
     "store_group_schema": "config", "validate": "config", "REWARDS": "functions", "extract_final_answer": "functions",
-    "RewardWorkerPool": "pool", "TaskResult": "pool", "RewardManager": "manager", "RewardOutput": "manager",
+    "WorkerPool": "pool", "TaskResult": "pool", "RewardManager": "manager", "RewardOutput": "manager",
 })

@@ -28,6 +28,7 @@ from typing import Any
 
 from rlcli.core.answers import ANSWER_FORMATS
 from rlcli.core.schema import ConfigError, check_ranges, rng
+from rlcli.core.topology import asynchronous, world_size
 from rlcli.rewards.code import AUDIT, COUNTS
 from rlcli.rewards.functions import REWARDS
 
@@ -173,7 +174,7 @@ class RewardConfig:
     timeout_s: float = rng(5.0, gt=0)
     """Wall-clock budget per response in a worker; slower responses score as failures (timeouts)."""
     num_workers: int = rng(2, ge=1)
-    """Reward worker processes (rlcli/rewards/pool.py; each imports math-verify once, ~1 s, and is reused). They
+    """Reward worker processes (rlcli/core/workers.py; each imports math-verify once, ~1 s, and is reused). They
     isolate nothing; only reward=code's programs run in a sandbox."""
     memory_mb: int = rng(2048, ge=256, why="a worker needs ~100 MiB to import math-verify")
     """Address-space cap per worker process (RLIMIT_AS), in MiB."""
@@ -351,7 +352,7 @@ def check_reward_model(cfg: Any, prefix: str = "reward") -> None:
 def check_importable(cfg: Any, prefix: str = "reward") -> None:
     """`rlcli train` and `rlcli eval`, before anything loads: every reward.custom function imports here and is
     callable, so a typo fails in a second rather than in the reward workers after the model loaded. The workers
-    import it from the same sys.path (rlcli/rewards/pool.py), which holds the working folder (rlcli.commands.cli)."""
+    import it from the same sys.path (rlcli/core/workers.py), which holds the working folder (rlcli.commands.cli)."""
     from rlcli.core.registry import import_dotted
 
     for name, path in dict(cfg.custom).items():
@@ -367,3 +368,10 @@ def check_importable(cfg: Any, prefix: str = "reward") -> None:
         if not callable(fn):
             raise ConfigError(f"{prefix}.custom.{name}={path!r} is a {type(fn).__name__}, not a function "
                               "fn(response, ground_truth) -> float")
+
+
+def reward_model_partitioned(cfg: Any) -> bool:
+    """Whether reward=rm's model is partitioned over the ranks like the reference model: ZeRO-3 over several training
+    ranks that make their own batches (synchronous rollout), whose reward stages run in step, the same rows on each.
+    With rollout ranks, each of them holds it whole and scores its own batches."""
+    return cfg.hw.zero_stage == 3 and world_size(cfg.hw) > 1 and not asynchronous(cfg)

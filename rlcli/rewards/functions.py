@@ -33,6 +33,7 @@ from typing import Any
 from rlcli.core.answers import MAX_BRACE_DEPTH as MAX_BRACE_DEPTH  # re-exported, see the docstring
 from rlcli.core.answers import MalformedResponse, extract_final_answer
 from rlcli.core.registry import Registry, import_dotted
+from rlcli.core.workers import describe_args
 from rlcli.rewards import code, reasoning_gym
 
 REWARDS = Registry("reward function")
@@ -201,10 +202,3 @@ def score_item(item: tuple[Any, Any]) -> dict[str, Any]:
             "error": "; ".join(errors) or None}
 
 
-def describe_args(exc: BaseException) -> str:
-    """An exception's message without calling repr on its arguments.
-
-    str() of an exception holding a sympy object can itself take forever (math-verify warns about
-    this), so only string arguments are shown.
-    """
-    return ", ".join(a[:200] for a in exc.args if isinstance(a, str))

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from rlcli.core.workers import WorkerPool
 from rlcli.rewards.code import AUDIT, COUNTS
 from rlcli.rewards.config import MODEL_PARTS, RewardConfig, validate
-from rlcli.rewards.pool import RewardWorkerPool
 
 if TYPE_CHECKING:
     import torch
@@ -60,7 +60,7 @@ class RewardManager:
             "options": cfg.function_options(),
             "max_response_chars": cfg.max_response_chars,
         }
-        self.pool = RewardWorkerPool(
+        self.pool = WorkerPool(
             "rlcli.rewards.functions.score_item",
             setup="rlcli.rewards.functions.setup_worker",
             setup_args=(spec,),

@@ -1,8 +1,8 @@
 """The `rm` part of the task reward (reward=rm, docs/reward_models.md#rewardrm): a trained reward model scores each
-(prompt, response) of a rollout batch, in the process that holds the batch, with rlcli.rm.model.score.
+(prompt, response) of a rollout batch, in the process that holds the batch, with rlcli.models.reward.score.
 
 Text, not tokens. `rlcli rm` trained on the text `prompt + response`, tokenized by the reward model's tokenizer
-without added special tokens (rlcli.rm.model.encode, rlcli.rm.pairs), so the loop rebuilds that text:
+without added special tokens (rlcli.models.reward.encode, rlcli.rm.pairs), so the loop rebuilds that text:
   prompt    the policy's prompt tokens decoded as they are, padding dropped: special tokens kept, since a chat
             template's turn markers are part of the rendered prompt a pair holds
   response  the text the verifiers read (special tokens dropped, so no EOS: a pair's response has none), and in
@@ -33,9 +33,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rlcli.config import inference_dtype, reward_model_partitioned
+from rlcli.core.precision import inference_dtype
 from rlcli.core.schema import ConfigError
-from rlcli.rm.model import score
+from rlcli.models.reward import score
+from rlcli.rewards.config import reward_model_partitioned
 
 EPS = 1e-6
 
@@ -88,7 +89,7 @@ class ModelScorer:
 
         from rlcli import engine
         from rlcli.data.templates import use_chat_template
-        from rlcli.rm.model import load_reward_model
+        from rlcli.models.reward import load_reward_model
 
         rm = cfg.reward.rm
         model_cfg = OmegaConf.merge(cfg.model, {"path": rm.path, "tokenizer_path": None, "dtype": inference_dtype(cfg),

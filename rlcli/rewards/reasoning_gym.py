@@ -7,7 +7,7 @@ value is the task's `score_answer(answer, entry)` in [0, 1], which some tasks ma
 extra text, an almost sorted list); acc is a full score, value >= 1 (rlcli.rewards.functions.score_item). A scorer
 that raises scores 0 and counts in reward/errors, like every reward function.
 
-Runs in the reward workers (rlcli/rewards/pool.py: a clock and a memory cap per response); reasoning-gym is imported
+Runs in the reward workers (rlcli/core/workers.py: a clock and a memory cap per response); reasoning-gym is imported
 there once, at the worker's start (`warm_up`), and each task's dataset object (its scorer) is built once per
 (task, config) and reused.
 """

@@ -2,14 +2,11 @@
 
     config.py   the `rm` group's schema and its validation (torch-free: a typo fails in a second)
     pairs.py    preference pairs: the embedded arith pairs, or JSONL / Parquet / `datasets` files
-    model.py    loading a causal LM as a scalar-head `*ForSequenceClassification`, and `score`, the one function
-                that turns (prompt, response) texts into rewards (what a reward=rm in the RL loop calls)
-    train.py    the `rlcli rm` job: setup -> train -> save, through rlcli's DeepSpeed engine and checkpoints
+    samples.py  pairs of the policy's own samples, ranked by the task's reward (rm.source=samples)
+    train.py    the `rlcli rm` job's trainer: setup -> train -> save, through rlcli's DeepSpeed engine and checkpoints
 
-The loss is a pure function beside the other objectives: rlcli.algos.functional.bradley_terry_loss.
+The model (a causal LM as a scalar-head `*ForSequenceClassification`, and `score`, the one function that turns
+(prompt, response) texts into rewards, which a reward=rm in the RL loop calls) is rlcli.models.reward; the command
+is rlcli.commands.rm (its memory plan rlcli.commands.rm_plan). The loss is a pure function beside the other
+objectives: rlcli.algos.functional.bradley_terry_loss.
 """
-
-from rlcli.core.lazy import exports
-
-__all__ = ["load_reward_model", "score"]
-__getattr__ = exports(__name__, dict.fromkeys(__all__, "model"))

@@ -1,5 +1,5 @@
 """Preference pairs `{"prompt", "chosen", "rejected", "margin"}` for `rlcli rm`: texts the reward model reads as
-`prompt + chosen` and `prompt + rejected` (rlcli.rm.model.encode), and a LoadReport of what was dropped and why.
+`prompt + chosen` and `prompt + rejected` (rlcli.models.reward.encode), and a LoadReport of what was dropped and why.
 
 Three sources (`rm.source`):
   arith  the embedded task (rlcli/data/arith.py): each problem's correct worked solution is `chosen`; `rejected`

@@ -1,6 +1,6 @@
 """`rlcli rm`: train a Bradley-Terry reward model from preference pairs, in the skeleton of every rlcli job:
 
-    setup   the model as a scalar-head sequence classifier (rlcli.rm.model), a DeepSpeed engine (rlcli.engine:
+    setup   the model as a scalar-head sequence classifier (rlcli.models.reward), a DeepSpeed engine (rlcli.engine:
             ZeRO 0-3, bf16, LoRA as for the policy), the pairs (rlcli.rm.pairs), a resumed checkpoint
     train   per step: rm.batch_size pairs, each micro-batch one forward of its chosen and rejected sequences,
             bradley_terry_loss normalised over the whole batch, one optimizer step; held-out pair accuracy before,
@@ -11,25 +11,23 @@
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from rlcli import engine as eng
 from rlcli.algos.functional import bradley_terry_loss, preference_metrics
-from rlcli.config import trained_model
+from rlcli.core.precision import trained_model
 from rlcli.data import PromptStream
-from rlcli.engine.collectives import all_reduce, barrier, rank_zero_first
-from rlcli.loop import checkpoint as ckpt
-from rlcli.loop.metrics import MetricsLogger, RunLog, _fixed, _significant, memory_metrics
-from rlcli.loop.state import NonFiniteTraining, rng_state, seed_everything, set_rng_state
-from rlcli.models import autocast, resolve_model_path
-from rlcli.rm.model import encode, load_reward_model, rewards, score
+from rlcli.engine.collectives import all_reduce
+from rlcli.loop.job import Job
+from rlcli.loop.metrics import _fixed, _significant, memory_metrics
+from rlcli.loop.state import Carried, NonFiniteTraining
+from rlcli.models import autocast
+from rlcli.models.reward import encode, load_reward_model, rewards, score
 from rlcli.rm.pairs import Pair, load_pairs
 
 TAG = "reward_model"
@@ -48,8 +46,10 @@ def step_line(metrics: dict[str, float], step: int) -> str:
 
 
 @dataclass
-class Progress:
-    """What the loop carries from step to step, saved and restored whole (a checkpoint cannot forget a field)."""
+class Progress(Carried):
+    """What the job carries from step to step, saved and restored whole by its fields (rlcli.loop.state.Carried)."""
+
+    CARRIED = {"pairs": ("pairs", lambda p: p.state_dict(), lambda p, d: p.load_state_dict(d))}
 
     pairs: PromptStream
     """This rank's position in the seeded, epoch-shuffled order of the training pairs."""
@@ -62,26 +62,16 @@ class Progress:
     result: dict[str, Any] = field(default_factory=dict)
     """What the run reports at the end (held-out pair accuracy before training, ...)."""
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "train_seconds": self.train_seconds, "skipped_in_a_row": self.skipped_in_a_row,
-                "result": self.result, "pairs": self.pairs.state_dict(), "rng": rng_state()}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step, self.train_seconds, self.result = state["step"], state["train_seconds"], state["result"]
-        self.skipped_in_a_row = state["skipped_in_a_row"]
-        self.pairs.load_state_dict(state["pairs"])
-        set_rng_state(state["rng"])  # last: building the trainer drew from the RNGs too
+class RewardModelTrainer(Job):
+    """`rlcli rm` (a Job: rlcli.loop.job runs its skeleton): the Bradley-Terry step, pair accuracy, the reward model."""
 
+    NAME = "rm"
+    EVAL = ("eval/pair_accuracy", "held-out pair accuracy")
 
-class RewardModelTrainer:
     def __init__(self, cfg: Any):
-        self.cfg, self.started = cfg, time.perf_counter()
-        eng.init_distributed(cfg.hw)
-        self.rank, self.world = eng.rank(), eng.world_size()
-        self.main = self.rank == 0
-        self.say = RunLog(cfg.run_dir) if self.main else None
-        seed_everything(cfg.seed)
-        self.model_path, self.model_source = rank_zero_first(lambda: resolve_model_path(cfg.model, cfg.data))
+        super().__init__(cfg)
+        self.world, self.eval_every = eng.world_size(), cfg.rm.eval_every
         with eng.sharded_construction(cfg.hw, cfg.optim):  # ZeRO-3: each rank loads only its partition
             model, self.tokenizer, self.new_head = load_reward_model(trained_model(cfg), self.model_path, cfg.seed)
         if not eng.is_partitioned(model):
@@ -90,59 +80,29 @@ class RewardModelTrainer:
         self.train_pairs, self.train_report = load_pairs(cfg, "train", self.tokenizer)
         self.eval_pairs, self.eval_report = load_pairs(cfg, "eval", self.tokenizer)
         self.state = Progress(PromptStream(self.train_pairs, cfg.seed, True, self.rank, self.world))
-        self.resumed_from = ckpt.resolve(cfg.resume, cfg.run_dir)
-        meta = self.restore(self.resumed_from) if self.resumed_from else {}
-        self.logger = MetricsLogger.of_run(cfg, self.resumed_from, meta, enabled=self.main)
+        self.resume()
 
-    # ------------------------------------------------------------------ the loop
-    def fit(self) -> dict[str, Any]:
-        cfg, s = self.cfg, self.state
-        first = s.step
-        self.print(self.summary())
-        with ckpt.StopSignals(announce=ckpt.to_stderr if self.main else None, saves=cfg.save) as signals:
-            if s.step:
-                self.print(f"resumed from {self.resumed_from}: {s.step} of {cfg.steps} steps done")
-            else:
-                s.result["eval_before"] = self.evaluate()
-                self.print(f"held-out pair accuracy before training: {s.result['eval_before']['eval/pair_accuracy']:.3f}")
-                self.logger.log({f"{k}_before": v for k, v in s.result["eval_before"].items()}, step=0)
-            bar = tqdm(range(s.step + 1, cfg.steps + 1), desc="rm", initial=s.step, total=cfg.steps,
-                       disable=not self.main, dynamic_ncols=True)
-            for step in bar:
-                metrics = self.train_step()
-                s.step = step
-                self.check_finite(metrics)
-                if cfg.rm.eval_every and step % cfg.rm.eval_every == 0 and step < cfg.steps:
-                    metrics.update(self.evaluate())
-                self.logger.log(metrics, step)
-                bar.set_postfix(loss=f"{metrics['rm/loss']:.3f}", acc=f"{metrics['rm/accuracy']:.2f}")
-                if step % cfg.logger.log_every == 0:
-                    self.print(step_line(metrics, step))
-                signum = int(all_reduce(torch.tensor(signals.signum), "max").item())
-                every, path = cfg.checkpoint.every, None
-                if cfg.save and (signum or (every and (step % every == 0 or step == cfg.steps))):
-                    path = self.save_checkpoint()
-                if signum:
-                    self.stop(signum, path)
-        s.result["train_seconds"] = s.train_seconds
-        s.result["eval_after"] = self.evaluate()
-        self.logger.log({f"{k}_after": v for k, v in s.result["eval_after"].items()}, step=cfg.steps)
-        self.print(f"held-out pair accuracy after training: {s.result['eval_after']['eval/pair_accuracy']:.3f}"
-                   + (f" (before: {s.result['eval_before']['eval/pair_accuracy']:.3f})" if "eval_before" in s.result
-                      else ""))
-        if cfg.save:  # all ranks: under ZeRO-3 the weights are gathered from every rank's partition
-            path = os.path.join(cfg.run_dir, TAG)
-            eng.save_policy(self.engine.module, self.tokenizer, path)  # LoRA merged, the head as trained
-            s.result["reward_model_path"] = path
-            self.print(f"saved reward model to {path} (AutoModelForSequenceClassification.from_pretrained loads it)")
-        if self.main:
-            with open(os.path.join(cfg.run_dir, "result.json"), "w") as f:
-                json.dump(s.result, f, indent=2)
-        self.print(self.end_summary(cfg.steps - first))
-        self.close()
-        return s.result
+    # ------------------------------------------------------------------ the job's protocol (rlcli.loop.job)
+    def end_step(self, step: int, metrics: dict[str, float]) -> None:
+        self.state.step = step
+        self.check_finite(metrics)
 
-    def train_step(self) -> dict[str, float]:
+    def postfix(self, metrics: dict[str, float]) -> dict[str, str]:
+        return {"loss": f"{metrics['rm/loss']:.3f}", "acc": f"{metrics['rm/accuracy']:.2f}"}
+
+    def step_line(self, metrics: dict[str, float], step: int) -> str:
+        return step_line(metrics, step)
+
+    def save_final(self) -> tuple[str, str, str]:
+        path = os.path.join(self.cfg.run_dir, TAG)
+        eng.save_policy(self.engine.module, self.tokenizer, path)  # LoRA merged, the head as trained
+        return "reward_model_path", path, "AutoModelForSequenceClassification.from_pretrained loads it"
+
+    def outputs(self) -> list[str]:
+        return [f"  {TAG}/   the reward model (AutoModelForSequenceClassification.from_pretrained loads it)"
+                ] if "reward_model_path" in self.state.result else []
+
+    def train_step(self, step: int) -> dict[str, float]:
         """One optimizer step on rm.batch_size pairs (this rank's share), in micro-batches of hw.micro_batch
         sequences; the loss of every micro-batch is divided by the pairs of the whole batch, so accumulating them
         gives the gradient of the batch mean however it is split."""
@@ -197,7 +157,7 @@ class RewardModelTrainer:
                 "rm.margin_key's values, or try hw.precision=fp32")
 
     # ------------------------------------------------------------------ evaluation, checkpoints
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self, when: str = "") -> dict[str, float]:
         """Held-out pair accuracy (r_c > r_r; a tie is wrong) and margin, scored with `score`, each rank its shard.
         Every rank scores ceil(pairs / ranks) pairs, the last shard topped up with the first pair, whose scores are
         dropped: under ZeRO-3 each forward gathers the layers from every rank, so all ranks run the same forwards."""
@@ -213,38 +173,12 @@ class RewardModelTrainer:
         m = self.reduced(r_c[:real], r_r[:real], prefix="eval/pair_")
         return {"eval/pair_accuracy": m["eval/pair_accuracy"], "eval/pair_margin": m["eval/pair_margin"]}
 
-    def save_checkpoint(self) -> str:
-        """The engine (weights, optimizer moments, LR schedule), every rank's Progress, the metrics so far, the
-        frozen config (layout: rlcli.loop.checkpoint). All ranks call it."""
-        cfg, step, t0 = self.cfg, self.state.step, time.perf_counter()
-        tmp = ckpt.staging(cfg.run_dir, step, self.rank, barrier)
-        self.engine.save(tmp, TAG)
-        torch.save(self.state.state_dict(), os.path.join(tmp, f"rank_{self.rank}.pt"))
-        if self.main:
-            self.logger.snapshot(os.path.join(tmp, "metrics.jsonl"))
-            ckpt.write_run_files(tmp, cfg, step, self.world, self.logger.run_ids)
-        path = ckpt.commit(cfg.run_dir, step, cfg.checkpoint.keep_last, self.rank, barrier)
-        self.print(f"checkpoint {path} ({time.perf_counter() - t0:.1f} s)")
-        return path
+    def save_weights(self, path: str) -> None:
+        """The engine: weights, optimizer moments, LR schedule."""
+        self.engine.save(path, TAG)
 
-    def restore(self, path: str) -> dict[str, Any]:
-        """Load the checkpoint at `path` into this freshly built trainer. -> its meta.json"""
-        meta = ckpt.read_meta(path)
-        if meta["world_size"] != self.world:
-            raise ValueError(f"{path} was written by {meta['world_size']} ranks, this run has {self.world}")
+    def load_weights(self, path: str) -> None:
         self.engine.load(path, TAG)
-        self.state.load_state_dict(torch.load(os.path.join(path, f"rank_{self.rank}.pt"), weights_only=False))
-        return meta if meta["run_dir"] == self.cfg.run_dir else {**meta, "logger_ids": {}}
-
-    def stop(self, signum: int, path: str | None) -> None:
-        import signal
-
-        name = signal.Signals(signum).name
-        self.print(f"stopped by {name} after step {self.state.step}; "
-                   + (f"checkpoint: {path}\ncontinue with:\n  {ckpt.resume_command(self.cfg.run_dir, 'rm')}"
-                      if path else "save=false: no checkpoint written"))
-        self.close()
-        raise ckpt.Stopped(128 + signum)
 
     # ------------------------------------------------------------------ what it prints
     def summary(self) -> str:
@@ -283,27 +217,3 @@ class RewardModelTrainer:
             + (f"; resuming from {self.resumed_from} (step {self.state.step})" if self.resumed_from else ""),
         ]
         return "\n".join(lines)
-
-    def end_summary(self, steps: int) -> str:
-        from rlcli.core.units import duration
-
-        run, r = self.cfg.run_dir, self.state.result
-        lines = [f"done: {steps} steps, {duration(time.perf_counter() - self.started)} from loading the model to the "
-                 f"end ({duration(self.state.train_seconds)} in training steps); results in {run}",
-                 "  result.json     held-out pair accuracy before and after training",
-                 "  metrics.jsonl   every metric of every step (docs/metrics.md)"]
-        if "reward_model_path" in r:
-            lines.append(f"  {TAG}/   the reward model (AutoModelForSequenceClassification.from_pretrained loads it)")
-        if done := ckpt.done_steps(run):
-            lines.append(f"  checkpoints/    step_{done[-1]} (a larger steps=, resume=auto and hydra.run.dir={run} "
-                         "train on from it)")
-        return "\n".join(lines + [f"  {note}" for note in self.logger.notes])
-
-    def close(self) -> None:
-        self.logger.close()
-        if self.say is not None:
-            self.say.close()
-
-    def print(self, msg: str) -> None:
-        if self.say is not None:
-            self.say(msg)

@@ -16,7 +16,7 @@ rollout makes, with per-row extras
     agent/<name>       each of agent_metric_names the agent returned
 
 At most env.episode_workers x env.episodes_per_worker episodes run at once; a worker that dies is replaced
-(rlcli.rewards.pool), and its chunk's episodes are retried once, then counted as errors.
+(rlcli.core.workers), and its chunk's episodes are retried once, then counted as errors.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 from omegaconf import OmegaConf
 
 from rlcli.core.batch import RolloutBatch
-from rlcli.rewards.pool import RewardWorkerPool, TaskResult
+from rlcli.core.workers import TaskResult, WorkerPool
 from rlcli.rollout.gateway import Gateway
 from rlcli.rollout.multiturn import Wrapped, trajectory_batch
 from rlcli.rollout.sampling import Sampling
@@ -63,7 +63,7 @@ class AgentRollout(Wrapped):
         # the worker's own clock stops a chunk after episode_timeout_s (rlcli.envs.agent.run_episodes); the pool's,
         # START_S later, stops a worker that does not answer at all
         env = OmegaConf.to_container(e, resolve=True)
-        self.pool = RewardWorkerPool("rlcli.envs.agent.run_episodes", setup="rlcli.envs.agent.setup_worker",
+        self.pool = WorkerPool("rlcli.envs.agent.run_episodes", setup="rlcli.envs.agent.setup_worker",
                                      setup_args=(cfg.rollout.agent, list(self.names), e.episode_timeout_s, env),
                                      num_workers=e.episode_workers, timeout_s=e.episode_timeout_s + START_S,
                                      memory_mb=e.episode_memory_mb)

@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from rlcli.config import inference_dtype
 from rlcli.core.batch import RolloutBatch
+from rlcli.core.precision import inference_dtype
 from rlcli.engine.collectives import consecutive_groups, gather_objects, group_rank
 from rlcli.rollout.hf import encode_prompts, rollout_batch
 from rlcli.rollout.sampling import Sampling

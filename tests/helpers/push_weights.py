@@ -1,5 +1,5 @@
 """Two ranks under torchrun: rank 0 trains (its policy has weights A), rank 1 generates (its module starts as B).
-Rank 0 pushes A through rlcli.rollout.remote; rank 1 checks its module now equals A bit for bit. Then a push
+Rank 0 pushes A through rlcli.loop.remote; rank 1 checks its module now equals A bit for bit. Then a push
 into a module the engine does not read (the sync "did not arrive" for the engine) must raise WeightSyncError.
 Prints one line per check; tests/test_async.py runs it."""
 
@@ -8,10 +8,10 @@ import sys
 import torch
 from omegaconf import OmegaConf
 
+from rlcli.loop.remote import Placement, WeightSyncError, join, push_weights, receive_weights
 from rlcli.models.config import TinyModelConfig
 from rlcli.models.tiny import build_tiny_model, build_tiny_tokenizer
 from rlcli.rollout.hf import HFEngine
-from rlcli.rollout.remote import Placement, WeightSyncError, join, push_weights, receive_weights
 
 cfg = OmegaConf.create({"hw": {"collective_timeout_s": 60, "device": "cpu"}, "rollout": {"gen_batch_size": 8, "prefill_once": True}})
 rank = int(__import__("os").environ["RANK"])

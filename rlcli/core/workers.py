@@ -1,9 +1,10 @@
-"""A pool of worker processes for trusted functions of untrusted input (reward verification, tool calls).
+"""A pool of worker processes for trusted functions of untrusted input (reward verification, tool calls, agents):
+rlcli.rewards, rlcli.envs and rlcli.rollout all run theirs here.
 
 It isolates nothing: a worker is an ordinary process of the trainer's user, with its files, network and
 environment. What the pool adds is a clock, a memory cap and a restart per item. Code the policy wrote
 runs only in the code sandbox (rlcli/rewards/sandbox/, started per execution by rlcli/rewards/code.py from
-inside a worker). Hence its name, RewardWorkerPool: the reward's workers (the tools' too), not a sandbox.
+inside a worker). Hence its name, WorkerPool: workers, not a sandbox.
 
 Why processes:
 - math-verify's own timeouts use ``signal.alarm``, which only works on a main thread, and model output
@@ -52,11 +53,10 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Literal, NamedTuple
 
 from rlcli.core.registry import import_dotted
-from rlcli.rewards.functions import describe_args
 
 _BOOTSTRAP = (
     "import sys, json; sys.path[:] = json.loads(sys.argv[2]); "
-    "from rlcli.rewards.pool import _worker_main; _worker_main(int(sys.argv[1]))"
+    "from rlcli.core.workers import _worker_main; _worker_main(int(sys.argv[1]))"
 )
 
 
@@ -84,7 +84,7 @@ class _Worker:
     waitables: list[Any] = field(default_factory=list)
 
 
-class RewardWorkerPool:
+class WorkerPool:
     """Long-lived worker processes that run ``task(item)`` with per-item timeouts and a memory cap (a worker pool:
     no isolation, see the module docstring).
 
@@ -134,7 +134,7 @@ class RewardWorkerPool:
         """Run the task on every item, spread over the workers; results in item order."""
         with self._lock:
             if self._closed:
-                raise RuntimeError("RewardWorkerPool is closed")
+                raise RuntimeError("WorkerPool is closed")
             results: list[TaskResult | None] = [None] * len(items)
             todo = deque(range(len(items)))
             self._died_on = set()  # items whose worker died once already (this call)
@@ -157,7 +157,7 @@ class RewardWorkerPool:
         self._closed = True
         self._finalizer()
 
-    def __enter__(self) -> RewardWorkerPool:
+    def __enter__(self) -> WorkerPool:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -428,3 +428,12 @@ def _worker_main(fd: int) -> None:
                 return
             except Exception as e:  # an unpicklable task result
                 conn.send(("error", f"cannot send result: {type(e).__name__}"))
+
+
+def describe_args(exc: BaseException) -> str:
+    """An exception's message without calling repr on its arguments.
+
+    str() of an exception holding a sympy object can itself take forever (math-verify warns about
+    this), so only string arguments are shown.
+    """
+    return ", ".join(a[:200] for a in exc.args if isinstance(a, str))

@@ -11,13 +11,13 @@ def rm_job(cfg: Any) -> dict[str, Any]:
     from omegaconf import open_dict
 
     from rlcli.commands.launch import freeze, run_dir
+    from rlcli.commands.rm_plan import check_fits, line
     from rlcli.config import validate
     from rlcli.loop import checkpoint
     from rlcli.loop.metrics import RunLog
     from rlcli.models.config import check_model_path
     from rlcli.rm.config import validate as validate_rm
     from rlcli.rm.pairs import check_pairs
-    from rlcli.rm.plan import check_fits, line
 
     run_dir(cfg)
     validate(cfg)

@@ -392,7 +392,7 @@ def rollout_source(cfg: Any, channel: Channel | None, engine: Any, rewards: Any)
 def with_rollout_logprobs(cfg: Any, engine: Any) -> bool:
     """Whether generation records the sampler's log-probs: the off-policy correction or the rollout correction
     uses them, or they cost nothing (vLLM)."""
-    from rlcli.config import off_policy
+    from rlcli.algos.config import off_policy
 
     return (cfg.algo.rollout_correction != "none" or off_policy(cfg) in ("bypass", "decoupled")
             or engine.logprobs_are_free)
