@@ -71,13 +71,11 @@ CARRIED: dict[str, tuple[str, Any, Any]] = {
 class Carried:
     """What a job carries from one step to the next, in one dataclass saved and restored whole (torchtune's
     `TrainingProgress` habit): every dataclass field, an object field through its entry in `CARRIED` (field ->
-    (checkpoint key, save(value) -> data, load(value, data))), and the RNGs. A checkpoint cannot forget a field.
-    Every field needs `step`, `train_seconds` and `result` (rlcli.loop.job reads them)."""
+    (checkpoint key, save(value) -> data, load(value, data))), and the RNGs. A checkpoint cannot forget a field. A
+    job's state has the fields `step`, `train_seconds` and `result` (rlcli.loop.job reads them)."""
 
     CARRIED: ClassVar[dict[str, tuple[str, Any, Any]]] = {}
-    ADDED_LATER: ClassVar[dict[str, str]] = {}
-    """Checkpoint keys newer than the first checkpoints, and what resuming an older checkpoint does without them (every
-    other key is required: a checkpoint without it is not resumed)."""
+    ADDED_LATER: ClassVar[dict[str, str]] = {}  # checkpoint key -> what resuming a checkpoint without it does
 
     def state_dict(self) -> dict[str, Any]:
         """Every dataclass field (an object field through its entry in CARRIED, under that entry's key) and the RNGs."""
