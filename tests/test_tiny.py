@@ -1,6 +1,7 @@
 """The embedded tiny model, its shipped tokenizer, and the cached supervised warm start."""
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 from rlcli.data.arith import arith_examples
 from rlcli.models.cache import task_args, warm_start_key
 from rlcli.models.config import CHARS, SPECIAL_TOKENS, TinyModelConfig, WarmStartConfig
-from rlcli.models.sft import sft_train, warm_start
+from rlcli.models.sft import demonstrations, sft_optimizer, sft_step, warm_start
 from rlcli.models.tiny import (
     build_tiny_model,
     build_tiny_tokenizer,
@@ -85,8 +86,10 @@ def test_sft_targets_are_response_plus_eos(tok):
 def test_sft_lowers_loss(tok):
     model = build_tiny_model(SMALL, tok, seed=0)
     examples = arith_examples("train", 64, seed=0, max_digits=1)
-    stats = sft_train(model, tok, examples, steps=12, batch_size=16, lr=1e-2, seed=0, progress=False)
-    assert stats["losses"][-1] < stats["losses"][0]
+    optimizer, scheduler = sft_optimizer(model, WarmStartConfig(steps=12, lr=1e-2, warmup=0))
+    losses = [sft_step(model, tok, optimizer, scheduler, examples[i % 4 * 16 : i % 4 * 16 + 16])["loss"]
+              for i in range(12)]
+    assert losses[-1] < losses[0]
 
 
 def test_warm_start_is_cached_and_loadable(tmp_path, tok, caplog):
@@ -108,9 +111,9 @@ def test_warm_start_is_cached_and_loadable(tmp_path, tok, caplog):
     # Only the finished entry is left in the cache: no temp dirs.
     assert [p.name for p in Path(path).parent.iterdir()] == [Path(path).name]
     # A different config is a different entry; cache_dir is not part of the key.
-    other = warm_start(SMALL, WarmStartConfig(steps=3, batch_size=4, eval_size=4, cache_dir=str(tmp_path)),
-                       progress=False, max_digits=1)
-    assert other != path
+    other = WarmStartConfig(steps=3, batch_size=4, eval_size=4, cache_dir=str(tmp_path / "elsewhere"))
+    assert warm_start_key(SMALL, other, task_args(max_digits=1)) != Path(path).name
+    assert warm_start_key(SMALL, replace(other, steps=2), task_args(max_digits=1)) == Path(path).name
     keys = {warm_start_key(SMALL, WarmStartConfig(carry_slip=slip), task_args()) for slip in (0.0, 0.5)}
     assert len(keys) == 2  # imperfect demonstrations are a different warm start
 
@@ -139,32 +142,88 @@ def test_warm_start_rejects_unknown_task_args(tmp_path):
         warm_start(SMALL, WarmStartConfig(cache_dir=str(tmp_path)), progress=False, digits=3)
 
 
-def test_warm_start_crash_leaves_no_entry(tmp_path, monkeypatch):
-    import rlcli.models.sft as sft
-
-    def boom(*args, **kwargs):
-        raise RuntimeError("boom")
-
-    monkeypatch.setattr(sft, "greedy_accuracy", boom)
-    ws = WarmStartConfig(steps=1, batch_size=2, eval_size=2, cache_dir=str(tmp_path))
-    with pytest.raises(RuntimeError, match="boom"):
-        sft.warm_start(SMALL, ws, progress=False, max_digits=1)
-    assert list((tmp_path / "warm_start").iterdir()) == []
+def test_a_build_that_fails_says_why_and_leaves_no_entry(tmp_path):
+    """The `rlcli sft` child refuses a bad value before training: warm_start raises with the child's own message."""
+    ws = WarmStartConfig(steps=1, batch_size=2, eval_size=2, warmup=-1, cache_dir=str(tmp_path))
+    with pytest.raises(RuntimeError, match=r"exited with 2; its output ended:\n(.|\n)*model.warm_start.warmup=-1"):
+        warm_start(SMALL, ws, progress=False, max_digits=1)
+    assert not (tmp_path / "warm_start").exists()
 
 
-def test_warm_start_trains_on_slipped_demonstrations(tmp_path, monkeypatch):
-    import rlcli.models.sft as sft
+def test_a_task_argument_without_a_config_key_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="'ops': '-'. has no config key"):
+        warm_start(SMALL, WarmStartConfig(steps=1, cache_dir=str(tmp_path)), progress=False, ops="-")
+
+
+def test_warm_start_trains_on_slipped_demonstrations():
     from rlcli.core.answers import extract_final_answer
 
-    seen = {}
-    real = sft.sft_train
-
-    def capture(model, tokenizer, examples, *args, **kwargs):
-        seen["examples"] = examples
-        return real(model, tokenizer, examples, *args, **kwargs)
-
-    monkeypatch.setattr(sft, "sft_train", capture)
-    ws = WarmStartConfig(steps=1, batch_size=64, eval_size=2, carry_slip=1.0, cache_dir=str(tmp_path))
-    sft.warm_start(SMALL, ws, progress=False, min_digits=2, max_digits=2)
-    wrong = [extract_final_answer(ex["solution"]) != ex["answer"] for ex in seen["examples"]]
+    train, evals = demonstrations(WarmStartConfig(steps=1, batch_size=64, eval_size=2, carry_slip=1.0),
+                                  task_args(min_digits=2, max_digits=2))
+    assert len(train) == 64 and len(evals) == 2
+    wrong = [extract_final_answer(ex["solution"]) != ex["answer"] for ex in train]
     assert 0 < sum(wrong) < len(wrong)  # every carried demonstration slips; carry-free ones stay right
+
+
+def _sft(tmp_path, run: str, *overrides: str):
+    """`rlcli sft`'s config for a SMALL warm start of 6 steps (as rlcli.commands.sft sets it: steps = its steps), with
+    its own cache and run directory."""
+    from conftest import compose
+    from omegaconf import open_dict
+
+    small = [f"model.tiny.{k}={v}" for k, v in vars(SMALL).items() if k in ("hidden_size", "num_layers", "num_heads",
+                                                                             "intermediate_size")]
+    cfg = compose(*small, "model.warm_start.steps=6", "model.warm_start.batch_size=5", "model.warm_start.eval_size=3",
+                  "model.warm_start.warmup=2", "data.max_digits=1", "data.min_digits=1", "checkpoint.every=4",
+                  f"model.warm_start.cache_dir={tmp_path / run / 'cache'}", *overrides, run_dir=str(tmp_path / run))
+    with open_dict(cfg):
+        cfg.steps = cfg.model.warm_start.steps
+    return cfg
+
+
+def test_sft_stopped_by_sigterm_and_resumed_builds_the_same_warm_start(tmp_path, capfd, monkeypatch):
+    """`rlcli sft` on the job harness: a build stopped by SIGTERM during step 3 (a checkpoint written, the resume command
+    named) and resumed equals the straight build: each step's loss, the shuffled order and its stream, the optimizer
+    and the schedule (the lr of every step), and the published warm start, weights and accuracies; 12 demonstrations
+    per epoch in steps of 5 so that an epoch ends mid-batch and the order is carried across the checkpoint."""
+    import os
+    import signal
+
+    from safetensors.torch import load_file
+
+    import rlcli.loop.sft as sft
+    from rlcli.loop import checkpoint as ckpt
+
+    class StopAt3(sft.SFTTrainer):
+        def train_step(self, step):
+            out = super().train_step(step)
+            if step == 3:
+                os.kill(os.getpid(), signal.SIGTERM)  # as a preemption, during the step
+            return out
+
+    def twelve(ws, data):
+        train, evals = demonstrations(ws, data)
+        return train[:12], evals
+
+    monkeypatch.setattr(sft, "demonstrations", twelve)
+    straight = sft.SFTTrainer(_sft(tmp_path, "straight"))
+    a = straight.fit()
+    with pytest.raises(ckpt.Stopped):
+        StopAt3(_sft(tmp_path, "stopped")).fit()
+    said = capfd.readouterr().out
+    assert "stopped by SIGTERM after step 3" in said and "rlcli sft" in said and "resume=auto" in said
+    resumed = sft.SFTTrainer(_sft(tmp_path, "stopped", "resume=auto"))
+    assert resumed.state.step == 3 and len(resumed.state.losses) == 3
+    b = resumed.fit()
+    rows = lambda run: [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    per_step = lambda run: [(r["step"], r["sft/loss"], r["sft/lr"]) for r in rows(run) if "sft/loss" in r]  # noqa: E731
+    assert per_step("stopped") == per_step("straight") and len(per_step("straight")) == 6
+    assert resumed.state.losses == straight.state.losses and resumed.state.order == straight.state.order
+    assert resumed.state.draws.getstate() == straight.state.draws.getstate()
+    wa, wb = (load_file(os.path.join(r["model_path"], "model.safetensors")) for r in (a, b))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    ra, rb = (json.loads((Path(r["model_path"]) / "warm_start.json").read_text()) for r in (a, b))
+    assert (ra["greedy_acc"], ra["sampled_acc"], ra["train_loss"], ra["train_steps"]) == (
+        rb["greedy_acc"], rb["sampled_acc"], rb["train_loss"], rb["train_steps"]) and ra["train_steps"] == 6
+    assert ra["key"] == Path(a["model_path"]).name and a["eval_after"] == {
+        "eval/greedy_acc": ra["greedy_acc"], "eval/sampled_acc": ra["sampled_acc"]}

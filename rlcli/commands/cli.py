@@ -114,13 +114,9 @@ def train_job(cfg: Any) -> dict[str, Any] | None:
     with refused_leaves_nothing(run_dir(cfg)):
         validate(cfg)
         check_inputs(cfg, ("train", "eval"))
-        resume = checkpoint.resolve(cfg.resume, cfg.run_dir)  # before the memory plan, which tokenises every prompt
+        resume = checkpoint.resume_point(cfg)  # before the memory plan, which tokenises every prompt
         if resume is not None:
-            checkpoint.check_compatible(resume, cfg)
             checkpoint.adopt(resume, cfg.run_dir)  # e.g. the judge's cached replies, into a branch's new run directory
-        elif cfg.resume is None and checkpoint.latest(cfg.run_dir) is not None:
-            raise SystemExit(f"{cfg.run_dir} holds checkpoints of an earlier run: pass resume=auto to continue it, "
-                             "or choose another hydra.run.dir for a new run")
         elif cfg.resume == "auto":
             RunLog(cfg.run_dir)(f"resume=auto: no checkpoint in {checkpoint.root(cfg.run_dir)} yet, starting fresh")
         checkpoint.check_space(cfg)  # room for one checkpoint, before anything is loaded
@@ -143,22 +139,10 @@ def train_job(cfg: Any) -> dict[str, Any] | None:
     return launch(frozen, cfg.hw)
 
 
-def sft_job(cfg: Any) -> None:
-    from rlcli.config import Config
-    from rlcli.core.schema import check_known_keys, check_ranges
-    from rlcli.models import as_objects, warm_start_data
-    from rlcli.models.sft import warm_start
+def sft_job(cfg: Any) -> dict[str, Any]:
+    from rlcli.commands.sft import sft_job as job
 
-    run_dir(cfg)
-    check_known_keys(cfg, Config)
-    check_ranges(cfg, Config)
-    if cfg.model.path is not None or cfg.model.gguf_file is not None:
-        raise SystemExit("rlcli sft warm-starts the embedded tiny model: leave model.path unset (and model.gguf_file)")
-    path = warm_start(*as_objects(cfg.model.tiny, cfg.model.warm_start), **warm_start_data(cfg.data))
-    print(f"warm-started tiny model: {path}")
-    report = Path(path) / "warm_start.json"
-    if report.exists():
-        print(report.read_text())
+    return job(cfg)
 
 
 def eval_job(cfg: Any) -> dict[str, float]:

@@ -24,12 +24,7 @@ def rm_job(cfg: Any) -> dict[str, Any]:
     validate_rm(cfg)
     check_model_path(cfg.model)
     check_pairs(cfg.rm)
-    resume = checkpoint.resolve(cfg.resume, cfg.run_dir)
-    if resume is not None:
-        checkpoint.check_compatible(resume, cfg)
-    elif cfg.resume is None and checkpoint.latest(cfg.run_dir) is not None:
-        raise SystemExit(f"{cfg.run_dir} holds checkpoints of an earlier run: pass resume=auto to continue it, "
-                         "or choose another hydra.run.dir for a new run")
+    resume = checkpoint.resume_point(cfg)
     checkpoint.check_space(cfg)
     RunLog(cfg.run_dir)(line(check_fits(cfg)))
     with open_dict(cfg):

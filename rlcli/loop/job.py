@@ -1,5 +1,5 @@
-"""The skeleton of every training job, once: `rlcli train` (rlcli.loop.trainer.Trainer) and `rlcli rm`
-(rlcli.rm.train.RewardModelTrainer) are `Job`s and keep only their own step.
+"""The skeleton of every training job, once: `rlcli train` (rlcli.loop.trainer.Trainer), `rlcli rm`
+(rlcli.rm.train.RewardModelTrainer) and `rlcli sft` (rlcli.loop.sft.SFTTrainer) are `Job`s and keep only their own step.
 
     setup     distributed init, rank 0's run log (run_dir/cli.log), seeding, the model path resolved on rank 0 first
               (the others read its cache); then the trainer builds its engines and its `state`, and calls
@@ -13,7 +13,8 @@
 The protocol a trainer implements (docs/design.md, "A new job"): `train_step(step)`, `end_step(step, metrics)`,
 `evaluate(when)`, `summary()`, `step_line(metrics, step)`, `postfix(metrics)`, `save_weights(dir)` /
 `load_weights(dir)`, `save_final()`, `outputs()`, and the attributes `state` (a rlcli.loop.state.Carried: saved
-whole by its fields), `world`, `NAME`, `EVAL` and `eval_every`. Hooks with a default: `before_training`,
+whole by its fields), `world`, `NAME`, `EVAL` and `eval_every`. Hooks with a default: `source` (the model's path),
+`STEPS_KEY`, `before_training`,
 `after_checkpoint`, `end_training`, `after_fit`, `closing`, `stage`, `close`.
 """
 
@@ -40,6 +41,8 @@ from rlcli.models import resolve_model_path
 class Job:
     NAME = "train"
     """The command (`rlcli <NAME>`): the progress bar's label and the resume command's."""
+    STEPS_KEY: str | None = "steps"
+    """The key that lengthens a run resumed from its last checkpoint (None: a run's length is fixed)."""
     EVAL = ("eval/acc", "held-out accuracy")
     """The headline held-out metric and how the run names it before and after training."""
     eval_every = 0
@@ -57,7 +60,11 @@ class Job:
         self.say = RunLog(cfg.run_dir) if self.main else None  # the terminal, and run_dir/cli.log
         seed_everything(cfg.seed)
         # Rank 0 first, the others read its cache (all hit it under a launcher: it resolved it first)
-        self.model_path, self.model_source = rank_zero_first(lambda: resolve_model_path(cfg.model, cfg.data))
+        self.model_path, self.model_source = rank_zero_first(self.source)
+
+    def source(self) -> tuple[str, str]:
+        """(the model's path, how it was obtained): the model the run starts from."""
+        return resolve_model_path(self.cfg.model, self.cfg.data)
 
     def resume(self) -> None:
         """The last step of a trainer's setup: its checkpoint to continue from restored, and the logger opened."""
@@ -173,12 +180,14 @@ class Job:
         run, label = self.cfg.run_dir, self.EVAL[1]
         lines = [f"done: {steps} steps, {duration(time.perf_counter() - self.started)} from loading the model to "
                  f"the end ({duration(self.state.train_seconds)} in training steps); results in {run}",
-                 f"  result.json     {label} before and after training",
+                 f"  result.json     {label} " + ("before and " if "eval_before" in self.state.result else "")
+                 + "after training",
                  "  metrics.jsonl   every metric of every step (docs/metrics.md)",
                  "  cli.log         what this run printed", *self.outputs()]
         if done := ckpt.done_steps(run):
-            lines.append(f"  checkpoints/    step_{done[-1]} (the same command with a larger steps=, "
-                         f"resume=auto and hydra.run.dir={run} trains on from it)")
+            more = f"a larger {self.STEPS_KEY}=, " if self.STEPS_KEY else ""
+            lines.append(f"  checkpoints/    step_{done[-1]} (the same command with {more}resume=auto and "
+                         f"hydra.run.dir={run} trains on from it)")
         return "\n".join(lines + [f"  {note}" for note in self.logger.notes] + self.closing())
 
     def print(self, msg: str) -> None:

@@ -37,6 +37,12 @@ def warm_start_dir(tiny_cfg: TinyModelConfig, ws_cfg: WarmStartConfig, data_kwar
     return cache_root(ws_cfg) / warm_start_key(tiny_cfg, ws_cfg, task_args(**data_kwargs))
 
 
+def build_dir(tiny_cfg: TinyModelConfig, ws_cfg: WarmStartConfig, data_kwargs: dict[str, Any]) -> str:
+    """The run directory of the `rlcli sft` run that builds this warm start for a run that needs it: beside the
+    cache's entries (cache_root/../warm_start_runs/<key>), so a build that was stopped resumes from its checkpoint."""
+    return str(cache_root(ws_cfg).parent / "warm_start_runs" / warm_start_key(tiny_cfg, ws_cfg, task_args(**data_kwargs)))
+
+
 def task_args(**data_kwargs: Any) -> dict[str, Any]:
     """`data_kwargs` with arith_examples' defaults filled in, so equal tasks share a cache key."""
     bound = inspect.signature(arith_examples).bind("train", 0, **data_kwargs)  # TypeError if unknown

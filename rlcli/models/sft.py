@@ -1,4 +1,6 @@
-"""Supervised warm-start of the embedded tiny model, and cheap accuracy probes.
+"""Supervised warm-start of the embedded tiny model: its data, its step, cheap accuracy probes, and the cache entry.
+`rlcli sft` (rlcli.loop.sft.SFTTrainer, a job of the harness) runs the step; `warm_start` finds the entry a run needs
+or builds it with that command.
 
 RL needs a policy that is already *partly* right: from random init the tiny model never samples
 a correct `\\boxed{}` answer, so every group has zero reward variance and nothing is learned.
@@ -9,8 +11,7 @@ keyed by every config value that shapes it, so each RL run after the first start
 
 The default, measured 2026-11-22 on 2 idle threads (200 held-out problems): 2-digit additions
 (`data.min_digits=data.max_digits=2`), `carry_slip` 0.6, 200 steps of 32 at lr 1e-3 (cosine, warmup
-10) reach 47.5% greedy / 46% sampled in 65 s. Reproduce with `rlcli sft` (or
-`python -m rlcli.models.sft --min-digits 2 --max-digits 2 --carry-slip 0.6`).
+10) reach 47.5% greedy / 46% sampled in 65 s. Reproduce with `rlcli sft`.
 
 `carry_slip` makes the demonstrations imperfect: each carry a solution should take is forgotten
 with that probability, and the solution is computed on from the slip, so the box matches the
@@ -23,8 +24,8 @@ until RL raises the carry above 50%. docs/experiments/2026-11-22-default-task.md
 
 Earlier calibration on 1-3-digit additions with exact demonstrations (`carry_slip=0`), seed 0, 2
 threads of the 2-core machine shared with other jobs (load 3-6, so wall times are 2-4x the idle
-ones). Reproduce with `python -m rlcli.models.sft --min-digits 1 --max-digits 3 --carry-slip 0 --steps S
---batch-size B --lr LR`.
+ones). Reproduce with `rlcli sft data.min_digits=1 data.max_digits=3 model.warm_start.carry_slip=0
+model.warm_start.steps=S model.warm_start.batch_size=B model.warm_start.lr=LR`.
 
     steps x batch   lr     greedy  sampled(T=1)  greedy by digits 1/2/3   train s (contended)
     120 x 64        3e-3    6%      3%           19 / 3 / 0                139
@@ -43,30 +44,31 @@ On 1-3 digits with slip 0.6, 200 x 32 gives 39.5% greedy / 32% sampled (1 thread
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
-import math
 import random
+import shlex
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
-import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase, get_scheduler
 
 from rlcli.data.arith import arith_examples, is_correct
-from rlcli.data.config import DataConfig
 from rlcli.models.cache import (
     WARM_START_VERSION,
+    build_dir,
     cached_warm_start,
     publish,
     task_args,
     warm_start_dir,
+    warm_start_key,
 )
 from rlcli.models.config import WarmStartConfig
 from rlcli.models.tiny import (
@@ -130,60 +132,40 @@ def _encode_turns(tokenizer: PreTrainedTokenizerBase, chat: Any, ex: dict) -> tu
     return ids, labels
 
 
-def sft_train(
-    model: torch.nn.Module,
-    tokenizer: PreTrainedTokenizerBase,
-    examples: list[dict],
-    steps: int,
-    batch_size: int,
-    lr: float,
-    seed: int,
-    progress: bool = True,
-    warmup: int = 0,
-    weight_decay: float = 0.0,
-    max_grad_norm: float = 1.0,
-) -> dict[str, Any]:
-    """Cross-entropy on response tokens only (prompt masked, `</s>` appended to each target).
+def demonstrations(ws: WarmStartConfig, data: dict[str, Any]) -> tuple[list[dict], list[dict]]:
+    """(train, held-out) problems of a warm start: ws.steps * ws.batch_size demonstrations (each carry forgotten with
+    probability ws.carry_slip; a ws.tool_demos share of them solved with the calculator, drawn from their own
+    stream) and ws.eval_size held-out problems, on the arith task `data` (rlcli.models.cache.task_args)."""
+    train = arith_examples("train", ws.steps * ws.batch_size, ws.seed, carry_slip=ws.carry_slip, **data)
+    if ws.tool_demos:  # the same problems; a share of them solved with the calculator (own random stream)
+        from rlcli.envs.calculator import demonstration
 
-    AdamW, linear warmup then cosine decay to 0, grad-norm clip; epochs over `examples` in an
-    order shuffled by `seed`. Returns {"steps", "loss" (mean of the last 10 steps), "losses",
-    "seconds", "tokens"}.
-    """
+        coin = random.Random(f"tool_demos/{ws.seed}")
+        train = [demonstration(ex) if coin.random() < ws.tool_demos else ex for ex in train]
+    return train, arith_examples("eval", ws.eval_size, ws.seed, **data)
+
+
+def sft_optimizer(model: torch.nn.Module, ws: WarmStartConfig, weight_decay: float = 0.0) -> tuple[Any, Any]:
+    """(AdamW at ws.lr, its schedule: ws.warmup steps of linear warmup, then cosine decay to 0 at ws.steps)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=weight_decay)
+    return optimizer, get_scheduler("cosine", optimizer, num_warmup_steps=ws.warmup,
+                                    num_training_steps=max(ws.steps, 1))
+
+
+def sft_step(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, optimizer: Any, scheduler: Any,
+             batch: list[dict], max_grad_norm: float = 1.0) -> dict[str, float]:
+    """One optimizer step of cross-entropy on the response tokens of `batch` (prompt masked, `</s>` appended to each
+    target; tool observations masked), gradient norm clipped. -> {"loss", "grad_norm", "lr" (the step's), "tokens"}"""
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
-    scheduler = get_scheduler(
-        "cosine", optimizer, num_warmup_steps=warmup, num_training_steps=max(steps, 1)
-    )
-    rng = random.Random(seed)
-    order: list[int] = []
-    losses: list[float] = []
-    tokens = 0
-    start = time.perf_counter()
-    bar = tqdm(range(steps), desc="warm-start sft", disable=not progress, leave=False)
-    for _ in bar:
-        if len(order) < batch_size:
-            order += rng.sample(range(len(examples)), len(examples))
-        batch = [examples[i] for i in order[:batch_size]]
-        del order[:batch_size]
-        ids, mask, labels = _encode_examples(tokenizer, batch)  # [B, L] each
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        tokens += int((labels != -100).sum())
-        bar.set_postfix(loss=f"{losses[-1]:.3f}")
-    model.eval()
-    tail = losses[-10:]
-    return {
-        "steps": steps,
-        "loss": sum(tail) / len(tail) if tail else math.nan,
-        "losses": losses,
-        "seconds": time.perf_counter() - start,
-        "tokens": tokens,
-    }
+    ids, mask, labels = _encode_examples(tokenizer, batch)  # [B, L] each
+    loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    lr = scheduler.get_last_lr()[0]
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"loss": loss.item(), "grad_norm": float(grad_norm), "lr": lr, "tokens": float((labels != -100).sum())}
 
 
 @torch.inference_mode()
@@ -263,125 +245,111 @@ def max_response_tokens(tokenizer: PreTrainedTokenizerBase, examples: list[dict]
     )
 
 
-def warm_start(
-    tiny_cfg: TinyModelConfig,
-    ws_cfg: WarmStartConfig,
-    progress: bool = True,
-    **data_kwargs: Any,
-) -> str:
-    """Directory of the warm-started tiny model + tokenizer (trained once, then cached).
+def warm_start(tiny_cfg: TinyModelConfig, ws_cfg: WarmStartConfig, progress: bool = True, **data_kwargs: Any) -> str:
+    """Directory of the warm-started tiny model + tokenizer: from the cache, else built once and cached.
 
-    `data_kwargs` go to `arith_examples` (min_digits, max_digits, ops). The directory loads with
-    `AutoModelForCausalLM.from_pretrained` and `PreTrainedTokenizerFast.from_pretrained`, and holds
-    `warm_start.json` with the measured accuracies and times. Training happens in a temp dir that
-    is renamed into place at the end, so a crash never leaves a half-written cache entry.
+    A warm start that trains is an `rlcli sft` run (rlcli.loop.sft, on the job harness: checkpoints, resume, the
+    end summary) in a child process, in the run directory rlcli.models.cache.build_dir names, resumed there if an
+    earlier build was stopped; `progress=False` keeps its output unless it fails. The random init
+    (model.warm_start.enabled=false) is saved here directly. `data_kwargs` go to `arith_examples` (min_digits,
+    max_digits; other task arguments at their defaults). The directory loads with `from_pretrained` and holds
+    `warm_start.json` with the measured accuracies and times, written last (rlcli.models.cache.publish).
     """
     hit = cached_warm_start(tiny_cfg, ws_cfg, data_kwargs)
     if hit is not None:
         return hit
-    data_kwargs = task_args(**data_kwargs)
-    final = warm_start_dir(tiny_cfg, ws_cfg, data_kwargs)
-    root, key = final.parent, final.name
-    trains = ws_cfg.enabled and ws_cfg.steps > 0
-    if trains:  # minutes on a loaded machine, before any other output of the run: say what is happening
-        log.info("building the tiny model's warm start (once: cached under %s for later runs): %d steps of %d "
-                 "demonstrations and an accuracy check on %d held-out problems, about %.0f s on 2 idle cores, longer "
-                 "under load", final, ws_cfg.steps, ws_cfg.batch_size, ws_cfg.eval_size,
-                 ws_cfg.steps * ws_cfg.batch_size * SECONDS_PER_DEMO + ws_cfg.eval_size * 0.05)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=root))
-    try:
-        start = time.perf_counter()
+    data = task_args(**data_kwargs)
+    if not ws_cfg.enabled:
         tokenizer = load_tiny_tokenizer()
-        model = build_tiny_model(tiny_cfg, tokenizer, seed=ws_cfg.seed)
-        train = arith_examples(
-            "train", ws_cfg.steps * ws_cfg.batch_size, ws_cfg.seed, carry_slip=ws_cfg.carry_slip, **data_kwargs
-        )
-        if ws_cfg.tool_demos:  # the same problems; a share of them solved with the calculator (own random stream)
-            from rlcli.envs.calculator import demonstration
+        return save_warm_start(build_tiny_model(tiny_cfg, tokenizer, seed=ws_cfg.seed), tokenizer, tiny_cfg, ws_cfg,
+                               data, {})
+    if odd := {k: v for k, v in data.items() if k not in ("min_digits", "max_digits") and v != task_args()[k]}:
+        raise ValueError(f"a warm start trains on data.min_digits..data.max_digits of the default arith task; "
+                         f"{odd} has no config key")
+    final = warm_start_dir(tiny_cfg, ws_cfg, data)
+    run_dir = build_dir(tiny_cfg, ws_cfg, data)
+    # minutes on a loaded machine, before any other output of the run: say what is happening
+    log.info("building the tiny model's warm start (once: cached under %s for later runs): %d steps of %d "
+             "demonstrations and an accuracy check on %d held-out problems, about %.0f s on 2 idle cores, longer "
+             "under load; `rlcli sft` in %s", final, ws_cfg.steps, ws_cfg.batch_size, ws_cfg.eval_size,
+             ws_cfg.steps * ws_cfg.batch_size * SECONDS_PER_DEMO + ws_cfg.eval_size * 0.05, run_dir)
+    command = sft_command(tiny_cfg, ws_cfg, data, run_dir)
+    with subprocess.Popen(command, stdout=None if progress else subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True) as child:
+        try:
+            out, _ = child.communicate()
+        except BaseException:  # Ctrl-C reached the child too; anything else: let it write its checkpoint and stop
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+                child.wait(timeout=120)
+            raise
+    if child.returncode or not (final / "warm_start.json").exists():
+        raise RuntimeError(f"building the warm start failed: `{shlex.join(command)}` exited with {child.returncode}"
+                           + (f"; its output ended:\n{out[-4000:]}" if out else f"; its log: {run_dir}/cli.log"))
+    shutil.rmtree(Path(run_dir) / "checkpoints", ignore_errors=True)  # the run's logs stay, beside the lock
+    report = json.loads((final / "warm_start.json").read_text())
+    # With tool demonstrations the model calls the calculator, which this single-turn check does not run: its
+    # accuracy is the model's without the tool, below the run's held-out accuracy (with the environment).
+    without = " answered without the calculator (its calls get no result here)" if ws_cfg.tool_demos else ""
+    log.info("warm start built in %.0f s: %s; greedy acc %.3f, sampled acc %.3f on %d held-out problems%s",
+             report["wall_seconds"], final, report["greedy_acc"], report["sampled_acc"], report["eval_size"], without)
+    return str(final)
 
-            coin = random.Random(f"tool_demos/{ws_cfg.seed}")
-            train = [demonstration(ex) if coin.random() < ws_cfg.tool_demos else ex for ex in train]
-        evals = arith_examples("eval", ws_cfg.eval_size, ws_cfg.seed, **data_kwargs)
-        stats: dict[str, Any] = {"steps": 0, "loss": None, "seconds": 0.0}
-        if trains:
-            stats = sft_train(
-                model,
-                tokenizer,
-                train,
-                ws_cfg.steps,
-                ws_cfg.batch_size,
-                ws_cfg.lr,
-                ws_cfg.seed,
-                progress=progress,
-                warmup=ws_cfg.warmup,
-            )
-        eval_start = time.perf_counter()
-        greedy = sampled = None  # not measured for a random init: it is ~0 and costs seconds
-        if ws_cfg.enabled and ws_cfg.eval_size > 0:
-            max_new = max_response_tokens(tokenizer, evals) + 8
-            greedy = greedy_accuracy(model, tokenizer, evals, max_new)
-            sampled = sampled_accuracy(model, tokenizer, evals, max_new, seed=ws_cfg.seed)
-        report = {
-            "key": key,
-            "greedy_acc": greedy,
-            "sampled_acc": sampled,
-            "acc_without_tools": bool(ws_cfg.tool_demos),  # single-turn check: a tool call gets no result
-            "eval_size": len(evals),
-            "train_steps": stats["steps"],
-            "train_loss": stats["loss"],
-            "train_seconds": round(stats["seconds"], 2),
-            "eval_seconds": round(time.perf_counter() - eval_start, 2),
-            "wall_seconds": round(time.perf_counter() - start, 2),
-            "torch_threads": torch.get_num_threads(),
-            "tiny": asdict(tiny_cfg),
-            "warm_start": {k: v for k, v in asdict(ws_cfg).items() if k != "cache_dir"},
-            "data": data_kwargs,
-            "version": WARM_START_VERSION,
-        }
+
+def sft_command(tiny_cfg: TinyModelConfig, ws_cfg: WarmStartConfig, data: dict[str, Any], run_dir: str) -> list[str]:
+    """`python -m rlcli sft` with every value that shapes this warm start, in `run_dir`, resuming what is there."""
+    def value(v: Any) -> str:
+        if v is None:
+            return "null"
+        return "'" + str(v).replace("\\", "\\\\").replace("'", "\\'") + "'" if isinstance(v, str) else str(v)
+
+    return [sys.executable, "-m", "rlcli", "sft",
+            *[f"model.tiny.{k}={value(v)}" for k, v in asdict(tiny_cfg).items()],
+            *[f"model.warm_start.{k}={value(v)}" for k, v in asdict(ws_cfg).items()],
+            f"data.min_digits={data['min_digits']}", f"data.max_digits={data['max_digits']}",
+            f"hydra.run.dir={value(run_dir)}", "resume=auto"]
+
+
+def warm_start_report(tiny_cfg: TinyModelConfig, ws_cfg: WarmStartConfig, data: dict[str, Any],
+                      measured: dict[str, Any]) -> dict[str, Any]:
+    """warm_start.json: what shaped the warm start (its key's parts) and `measured` (accuracies, steps, loss,
+    seconds)."""
+    return {
+        "key": warm_start_key(tiny_cfg, ws_cfg, data),
+        "greedy_acc": None,  # not measured for a random init: it is ~0 and costs seconds
+        "sampled_acc": None,
+        "acc_without_tools": bool(ws_cfg.tool_demos),  # single-turn check: a tool call gets no result
+        "eval_size": ws_cfg.eval_size,
+        "train_steps": 0,
+        "train_loss": None,
+        "train_seconds": 0.0,
+        "eval_seconds": 0.0,
+        "wall_seconds": 0.0,
+        **measured,
+        "torch_threads": torch.get_num_threads(),
+        "tiny": asdict(tiny_cfg),
+        "warm_start": {k: v for k, v in asdict(ws_cfg).items() if k != "cache_dir"},
+        "data": data,
+        "version": WARM_START_VERSION,
+    }
+
+
+def save_warm_start(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, tiny_cfg: TinyModelConfig,
+                    ws_cfg: WarmStartConfig, data: dict[str, Any], measured: dict[str, Any]) -> str:
+    """Write the model, its tokenizer and warm_start.json (last) into a temp directory of the cache and rename it into
+    place (rlcli.models.cache.publish): a crash never leaves a half-written entry. -> the entry's directory"""
+    final = warm_start_dir(tiny_cfg, ws_cfg, data)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
         model.save_pretrained(str(tmp))
         save_tiny_tokenizer(tmp, tokenizer)
-        # Written last: its presence marks a complete entry.
-        (tmp / "warm_start.json").write_text(json.dumps(report, indent=2) + "\n")
+        report = warm_start_report(tiny_cfg, ws_cfg, data, measured)
+        (tmp / "warm_start.json").write_text(json.dumps(report, indent=2) + "\n")  # written last: a complete entry
         publish(tmp, final, "warm_start.json")
-        if not trains:
-            log.info("tiny model at random init (model.warm_start.enabled=false): %s", final)
-        elif greedy is None:
-            log.info("warm start built in %.0f s: %s", report["wall_seconds"], final)
-        else:
-            # With tool demonstrations the model calls the calculator, which this single-turn check does not run:
-            # its accuracy is the model's without the tool, below the run's held-out accuracy (with the environment).
-            without = " answered without the calculator (its calls get no result here)" if ws_cfg.tool_demos else ""
-            log.info("warm start built in %.0f s: %s; greedy acc %.3f, sampled acc %.3f on %d held-out problems%s",
-                     report["wall_seconds"], final, greedy, sampled, len(evals), without)
-        return str(final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="Run (or fetch from cache) one tiny warm start.")
-    parser.add_argument("--steps", type=int, default=WarmStartConfig.steps)
-    parser.add_argument("--batch-size", type=int, default=WarmStartConfig.batch_size)
-    parser.add_argument("--lr", type=float, default=WarmStartConfig.lr)
-    parser.add_argument("--seed", type=int, default=WarmStartConfig.seed)
-    parser.add_argument("--min-digits", type=int, default=DataConfig.min_digits)
-    parser.add_argument("--max-digits", type=int, default=DataConfig.max_digits)
-    parser.add_argument("--ops", default="+")
-    parser.add_argument("--carry-slip", type=float, default=WarmStartConfig.carry_slip)
-    parser.add_argument("--tool-demos", type=float, default=WarmStartConfig.tool_demos)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--cache-dir", default=None)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    logging.basicConfig(level=logging.INFO)
-    ws = WarmStartConfig(
-        steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-        carry_slip=args.carry_slip, tool_demos=args.tool_demos, cache_dir=args.cache_dir,
-    )
-    path = warm_start(
-        TinyModelConfig(), ws, min_digits=args.min_digits, max_digits=args.max_digits, ops=args.ops
-    )
-    print(path)
-    print((Path(path) / "warm_start.json").read_text())
+    if not ws_cfg.enabled:
+        log.info("tiny model at random init (model.warm_start.enabled=false): %s", final)
+    return str(final)
