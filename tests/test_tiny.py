@@ -227,3 +227,41 @@ def test_sft_stopped_by_sigterm_and_resumed_builds_the_same_warm_start(tmp_path,
         rb["greedy_acc"], rb["sampled_acc"], rb["train_loss"], rb["train_steps"]) and ra["train_steps"] == 6
     assert ra["key"] == Path(a["model_path"]).name and a["eval_after"] == {
         "eval/greedy_acc": ra["greedy_acc"], "eval/sampled_acc": ra["sampled_acc"]}
+
+
+def test_a_build_stopped_midway_resumes_when_the_next_run_needs_it(tmp_path):
+    """A run that needs a warm start builds it with `rlcli sft` in a fixed directory beside the cache: a build stopped
+    after step 3 (SIGTERM, its checkpoint written) is resumed there by the next warm_start call, which publishes the
+    same weights as a straight build."""
+    import os
+    import signal
+
+    from omegaconf import OmegaConf, open_dict
+    from safetensors.torch import load_file
+
+    from rlcli.loop import checkpoint as ckpt
+    from rlcli.loop.sft import SFTTrainer
+    from rlcli.models.cache import build_dir
+
+    class StopAt3(SFTTrainer):
+        def train_step(self, step):
+            out = super().train_step(step)
+            if step == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return out
+
+    cfg = _sft(tmp_path, "straight")
+    straight = SFTTrainer(cfg).fit()["model_path"]
+    tiny, ws = (OmegaConf.to_object(n) for n in (cfg.model.tiny, cfg.model.warm_start))
+    ws = replace(ws, cache_dir=str(tmp_path / "needed"))
+    data = task_args(min_digits=1, max_digits=1)
+    stopped = _sft(tmp_path, "unused", f"model.warm_start.cache_dir={ws.cache_dir}")
+    with open_dict(stopped):
+        stopped.run_dir = build_dir(tiny, ws, data)
+    with pytest.raises(ckpt.Stopped):
+        StopAt3(stopped).fit()
+    path = warm_start(tiny, ws, progress=False, **data)
+    assert "resumed from" in (Path(stopped.run_dir) / "cli.log").read_text()
+    assert not (Path(stopped.run_dir) / "checkpoints").exists()  # dropped once published; the logs stay
+    wa, wb = (load_file(os.path.join(p, "model.safetensors")) for p in (straight, path))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
