@@ -208,6 +208,33 @@ def test_chunked_logprobs_and_entropy_equal_the_whole_sequence_pass_with_their_g
                                                 chunk=5)[0], lp0, atol=1e-6)
 
 
+def test_the_head_is_recomputed_in_the_backward_only_when_there_are_several_chunks():
+    """The update's chunked pass checkpoints each chunk's head and log-softmax (recomputed in the backward pass) so that
+    one chunk's [n, c, V] tensors live at a time; a single chunk would hold them at the backward's start either way, so
+    it runs the head once. Counted with a forward hook on the head; the gradients equal the recomputing pass's."""
+    from rlcli.models.policy import scaled
+
+    torch.manual_seed(0)
+    model = build_tiny_model(TinyModelConfig(), load_tiny_tokenizer(), seed=0)
+    calls = []
+    model.get_output_embeddings().register_forward_hook(lambda *_: calls.append(1))
+    ids = torch.randint(5, 60, (2, 14))
+    ones = torch.ones(2, 14, dtype=torch.long)
+    grads = {}
+    for chunk in (8, 4):  # the 8 response positions in one chunk, then in two
+        calls.clear()
+        model.zero_grad()
+        logp, _ = response_logprobs(model, ids[:, :6], ones[:, :6], ids[:, 6:], ones[:, 6:].float(), 1.0, chunk=chunk)
+        logp.sum().backward()
+        grads[chunk] = {k: p.grad.clone() for k, p in model.named_parameters()}
+        assert len(calls) == {8: 1, 4: 4}[chunk], chunk  # two chunks: each forward and again in the backward
+    for k, g in grads[8].items():
+        assert (g - grads[4][k]).abs().max() <= 1e-5 * g.abs().max(), k
+    x = torch.randn(3, 5)
+    assert scaled(x, 1.0) is x and torch.equal(scaled(x, 0.5), x / 0.5)  # no pass over the vocabulary at T = 1
+    assert scaled(x.bfloat16(), 1.0).dtype == torch.float32
+
+
 def test_the_chunk_check_refuses_a_model_that_scales_logits_after_the_head():
     """Granite divides its logits by `logits_scaling` after the output projection: the chunked pass (output
     embedding of the hidden states) would be off by far more than rounding (0.48 nats at scaling 8, and a

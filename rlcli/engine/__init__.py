@@ -11,6 +11,7 @@ same gradient however the mini-batch is split into micro-batches and ranks (docs
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -176,7 +177,11 @@ class Engine:
         params = [p for p in model.parameters() if p.requires_grad]
         # With the optimizer offloaded, the Adam step runs on the CPU over the fp32 master partition:
         # DeepSpeed's vectorised CPU Adam (JIT-built once, ~50 s) in AdamW mode, the same update as torch's.
-        adamw = deepspeed.ops.adam.DeepSpeedCPUAdam if hw.offload_optimizer else torch.optim.AdamW
+        # Else torch's AdamW, fused: one vectorised kernel per tensor (CPU and CUDA), where its default on a CPU loops
+        # over ~10 elementwise ops per tensor (SmolLM2's 135M parameters: 37 ms a step against 184 ms on 2 cores). The
+        # same update up to rounding (6e-8 after 5 steps of unit-scale weights, tests/test_engine.py).
+        adamw = (deepspeed.ops.adam.DeepSpeedCPUAdam if hw.offload_optimizer
+                 else functools.partial(torch.optim.AdamW, fused=True))
         opt = adamw(params, lr=lr, betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay)
         self.ds, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=opt, config=ds_config(hw, optim)

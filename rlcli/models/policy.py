@@ -312,8 +312,12 @@ def response_outputs(
                 torch.zeros_like(logp) if kl is None else kl)
 
     others = kl_to.to(device).split(chunk, 1) if kl_to is not None else [None] * len(targets.split(chunk, 1))
+    # Each chunk's head, upcast and log-softmax are recomputed in the backward pass, so that only one chunk's [n, c, V]
+    # tensors live at a time; with one chunk they are alive at the backward's start either way (the same peak), so
+    # they are kept instead of computed twice.
+    recompute = torch.is_grad_enabled() and len(others) > 1
     parts = [
-        torch.utils.checkpoint.checkpoint(part, h, y, o, use_reentrant=False) if torch.is_grad_enabled() else part(h, y, o)
+        torch.utils.checkpoint.checkpoint(part, h, y, o, use_reentrant=False) if recompute else part(h, y, o)
         for h, y, o in zip(hidden.split(chunk, 1), targets.split(chunk, 1), others)
     ]
     logp = torch.cat([p[0] for p in parts], 1)  # [n, t]
@@ -337,7 +341,14 @@ def response_log_softmax(model: torch.nn.Module, prompt_ids: Tensor, prompt_mask
     layout = joint(prompt_ids, prompt_mask, response_ids, token_mask, device, sharing(model, share))
     with torch.no_grad():
         logits = layout.pick(model(**layout.inputs, use_cache=False).logits)  # [n, T, V]
-        return torch.log_softmax(logits.float() / temperature, -1)
+        return torch.log_softmax(scaled(logits, temperature), -1)
+
+
+def scaled(logits: Tensor, temperature: float) -> Tensor:
+    """`logits` in fp32 divided by the sampling temperature; at temperature 1 the division is skipped (x / 1 is x in
+    IEEE arithmetic; over a 49k vocabulary the pass and its backward cost 46 ms each on 2 CPU cores)."""
+    logits = logits.float()
+    return logits if temperature == 1.0 else logits / temperature
 
 
 def _token_outputs(
@@ -348,7 +359,7 @@ def _token_outputs(
     to `kl_to` [n, t] or None), in fp32 from logits divided by the temperature."""
     from rlcli.algos.functional import entropy_from_logits, reverse_kl_full
 
-    logits = logits.float() / temperature
+    logits = scaled(logits, temperature)
     logp = torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     entropy = entropy_from_logits(logits if entropy_grad else logits.detach()) if with_entropy else None
     return logp, entropy, reverse_kl_full(logits, kl_to) if kl_to is not None else None
