@@ -285,6 +285,9 @@ def test_entropy_from_logits_golden():
     close(F.entropy_from_logits(torch.full((2, 3, 5), 7.0, dtype=D)), torch.full((2, 3), 1.6094379))
     # logits 0, ln 3 -> p = 1/4, 3/4 -> H = 0.25 ln 4 + 0.75 ln(4/3) = 0.5623351
     close(F.entropy_from_logits(t([0.0, math.log(3.0)])), t(0.5623351))
+    # from log-probs (the scoring pass's log-softmax): the same 0.5623351, and 0 for a certain token
+    close(F.entropy_from_log_probs(torch.log(t([0.25, 0.75]))), t(0.5623351))
+    close(F.entropy_from_log_probs(torch.log_softmax(t([0.0, -200.0]), -1)), t(0.0))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -61,11 +61,13 @@ def test_kv_cache_and_activation_counts():
     assert kv_cache_bytes(a, 8, 1000, 2) == 12_288 * 8_000
     # 6h + 4q + 4i + heads + seq = 5376 + 3584 + 19456 + 14 + 100 (k and v kept at the query's width)
     assert activation_elements_per_token(a, 100) == 28_530
+    # + heads x scores: the math attention kernel's probabilities (rlcli.core.precision.math_attention)
+    assert activation_elements_per_token(a, 100, scores=100) == 28_530 + 14 * 100
 
 
-def saved_bytes(layers: int, shape: dict, autocast: bool = False) -> dict[str, int]:
+def saved_bytes(layers: int, shape: dict, autocast: bool = False, response: int = 10) -> dict[str, int]:
     """Bytes a Llama model of `layers` blocks (`shape`: hidden, heads, kv_heads, head_dim, intermediate; vocab 100)
-    keeps for backward in the log-prob pass of 4 rows (6 prompt tokens, one row padded, 10 response tokens), by
+    keeps for backward in the log-prob pass of 4 rows (6 prompt tokens, one row padded, `response` tokens), by
     torch's saved-tensor hooks, by dtype: the parameters themselves and (autocast) their bf16 copies excluded
     (the plan counts those as weights)."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -91,8 +93,8 @@ def saved_bytes(layers: int, shape: dict, autocast: bool = False) -> dict[str, i
 
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), \
             torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-        response_logprobs(model, torch.randint(4, 100, (4, 6)), prompt_mask, torch.randint(4, 100, (4, 10)),
-                          torch.ones(4, 10, dtype=torch.long), 1.0, chunk=256)
+        response_logprobs(model, torch.randint(4, 100, (4, 6)), prompt_mask, torch.randint(4, 100, (4, response)),
+                          torch.ones(4, response, dtype=torch.long), 1.0, chunk=256)
     out: dict[str, int] = {}
     for nbytes, dtype in storages.values():
         out[dtype] = out.get(dtype, 0) + nbytes
@@ -120,14 +122,18 @@ def test_activation_count_matches_saved_tensors_of_a_real_block(name):
 
 def test_autocast_keeps_more_than_bf16_and_less_than_fp32_bytes_per_element():
     """bf16 by autocast (ZeRO-0) keeps fp32 tensors beside the bf16 matmul inputs: at SmolLM2's block shape one
-    block's saved bytes lie between 2 and 4 bytes per formula element (0.81 of fp32's), so the plan counts 4
-    (activation_element_bytes: a bound) and 2 would undercount."""
+    block's saved bytes lie between 2 and 4 bytes per formula element, so the plan counts 4 (activation_element_bytes:
+    a bound) and 2 would undercount. Under autocast on a CPU these short passes take the math attention kernel
+    (rlcli.core.precision.math_attention), whose fp32 probabilities the formula counts as `scores`."""
     from rlcli.plan.states import activation_element_bytes
 
     shape = BLOCKS["smollm2"]
     per_block = sum(saved_bytes(2, shape, True).values()) - sum(saved_bytes(1, shape, True).values())
-    elements = activation_elements_per_token(block_arch(shape), 16) * 4 * 16
+    elements = activation_elements_per_token(block_arch(shape), 16, scores=16) * 4 * 16
     assert 2 * elements < per_block < 4 * elements
+    # 160 positions, where the math kernel's [heads, 160, 160] fp32 probabilities weigh: still within the bound
+    per_block = sum(saved_bytes(2, shape, True, 154).values()) - sum(saved_bytes(1, shape, True, 154).values())
+    assert per_block < 4 * activation_elements_per_token(block_arch(shape), 160, scores=160) * 4 * 160
     assert activation_element_bytes(compose("hw.precision=bf16").hw) == 4
     assert activation_element_bytes(compose("hw.precision=bf16", "hw.zero_stage=1").hw) == 2
 

@@ -235,6 +235,45 @@ def test_the_head_is_recomputed_in_the_backward_only_when_there_are_several_chun
     assert scaled(x.bfloat16(), 1.0).dtype == torch.float32
 
 
+def test_the_update_takes_the_math_attention_kernel_only_on_a_cpu_under_autocast_for_short_sequences():
+    """rlcli.core.precision.math_attention at run time: a differentiated pass under bf16 autocast on a CPU of at most
+    MATH_ATTENTION_MAX positions runs torch's math SDPA kernel (its backward beats the bf16 flash kernel's); scoring
+    (no grad), fp32, and longer sequences keep the flash kernel. The ops dispatched are recorded; the log-probs agree
+    with the flash kernel's to bf16 rounding."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from rlcli.core.precision import MATH_ATTENTION_MAX
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.add(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    model = build_tiny_model(TinyModelConfig(), load_tiny_tokenizer(), seed=0)
+    flash = "_scaled_dot_product_flash_attention_for_cpu.default"
+
+    def kernel(response: int, grad: bool, bf16: bool) -> tuple[bool, torch.Tensor]:
+        ids = torch.randint(5, 60, (2, 6 + response))
+        ones = torch.ones_like(ids)
+        seen.clear()
+        with torch.set_grad_enabled(grad), torch.autocast("cpu", torch.bfloat16, enabled=bf16), Ops():
+            logp, _ = response_logprobs(model, ids[:, :6], ones[:, :6], ids[:, 6:], ones[:, 6:].float(), 1.0, chunk=64)
+        return flash in seen, logp.detach()
+
+    seen: set[str] = set()
+    torch.manual_seed(0)
+    assert kernel(10, grad=True, bf16=True)[0] is False  # 16 positions: math
+    assert kernel(MATH_ATTENTION_MAX - 6, grad=True, bf16=True)[0] is False
+    assert kernel(MATH_ATTENTION_MAX - 5, grad=True, bf16=True)[0] is True  # one position more: flash
+    assert kernel(10, grad=False, bf16=True)[0] is True  # scoring
+    assert kernel(10, grad=True, bf16=False)[0] is True  # fp32
+    torch.manual_seed(1)
+    _, math_logp = kernel(10, grad=True, bf16=True)
+    torch.manual_seed(1)
+    _, flash_logp = kernel(10, grad=False, bf16=True)
+    assert (math_logp - flash_logp).abs().max() < 0.05  # bf16 matmuls around either kernel
+
+
 def test_the_chunk_check_refuses_a_model_that_scales_logits_after_the_head():
     """Granite divides its logits by `logits_scaling` after the output projection: the chunked pass (output
     embedding of the hidden states) would be off by far more than rounding (0.48 nats at scaling 8, and a

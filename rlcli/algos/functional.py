@@ -37,6 +37,7 @@ __all__ = [
     "clipped_policy_loss",
     "decoupled_policy_loss",
     "discounted_returns",
+    "entropy_from_log_probs",
     "entropy_from_logits",
     "gae",
     "group_advantages",
@@ -537,12 +538,15 @@ def kl_estimate(logp: Tensor, ref_logp: Tensor, kind: str) -> Tensor:
 
 
 def entropy_from_logits(logits: Tensor) -> Tensor:
-    """Entropy of softmax(logits) over the last dim. Shapes: [..., V] -> [...].
+    """Entropy of softmax(logits) over the last dim. Shapes: [..., V] -> [...]. Pass temperature-scaled logits
+    (docs/design.md#conventions)."""
+    return entropy_from_log_probs(torch.log_softmax(logits, dim=-1))
 
-    H = logsumexp(z) - Σ softmax(z) · z. Pass temperature-scaled logits (docs/design.md#conventions).
-    """
-    probs = torch.softmax(logits, dim=-1)
-    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
+
+def entropy_from_log_probs(logp: Tensor) -> Tensor:
+    """H = -Σ_v π(v) log π(v) from a log-softmax over the last dim, π = exp(logp): the pass that scores the tokens has
+    computed logp already, so the entropy costs an exp, a product and a sum over the vocabulary. [..., V] -> [...]"""
+    return -(logp.exp() * logp).sum(-1)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +24,20 @@ def autocast(hw: Any) -> Any:
     from rlcli.core.precision import mixed_precision
 
     return torch.autocast(hw.device, dtype=torch.bfloat16, enabled=mixed_precision(hw))
+
+
+def attention_kernel(device: torch.device, seq: int) -> Any:
+    """The SDPA kernels a forward over `seq` positions may use: only torch's math kernel where
+    rlcli.core.precision.math_attention says so (a CPU under bf16 autocast, a pass that will be differentiated, at most
+    MATH_ATTENTION_MAX positions: its backward beats the bf16 flash kernel's there), else torch's own choice."""
+    from rlcli.core.precision import MATH_ATTENTION_MAX
+
+    if (device.type == "cpu" and torch.is_grad_enabled() and seq <= MATH_ATTENTION_MAX
+            and torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel([SDPBackend.MATH])
+    return nullcontext()
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
@@ -300,10 +314,13 @@ def response_outputs(
             raise ValueError("the full-vocabulary KL is not computed under sequence parallelism (hw.sp_size > 1)")
         layout = slices(prompt_ids, prompt_mask, response_ids, token_mask, device, sp)
         before, after, targets = _same, layout.pick, layout.targets  # [n, L/N]
+    kernel = attention_kernel(device, layout.inputs["input_ids"].shape[1]) if sp is None else nullcontext()
     if not chunk:
-        logits = before(model(**layout.inputs, use_cache=False).logits)  # [n, t, V] predicts `targets`
+        with kernel:
+            logits = before(model(**layout.inputs, use_cache=False).logits)  # [n, t, V] predicts `targets`
         return _picked(after, _token_outputs(logits, targets, temperature, with_entropy, entropy_grad, kl_to))
-    hidden = before(model.get_decoder()(**layout.inputs, use_cache=False).last_hidden_state)  # [n, t, H]
+    with kernel:
+        hidden = before(model.get_decoder()(**layout.inputs, use_cache=False).last_hidden_state)  # [n, t, H]
     head = model.get_output_embeddings()
 
     def part(h: Tensor, y: Tensor, other: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:  # [n, c, H], [n, c] -> [n, c]
@@ -357,11 +374,12 @@ def _token_outputs(
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """[n, t, V] logits, [n, t] targets -> (log-probs of the targets [n, t], entropy [n, t] or None, the reverse KL
     to `kl_to` [n, t] or None), in fp32 from logits divided by the temperature."""
-    from rlcli.algos.functional import entropy_from_logits, reverse_kl_full
+    from rlcli.algos.functional import entropy_from_log_probs, reverse_kl_full
 
     logits = scaled(logits, temperature)
-    logp = torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = entropy_from_logits(logits if entropy_grad else logits.detach()) if with_entropy else None
+    log_probs = torch.log_softmax(logits, -1)  # [n, t, V]
+    logp = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = entropy_from_log_probs(log_probs if entropy_grad else log_probs.detach()) if with_entropy else None
     return logp, entropy, reverse_kl_full(logits, kl_to) if kl_to is not None else None
 
 
