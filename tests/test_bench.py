@@ -27,3 +27,24 @@ def test_the_floor_prefills_a_shared_prompt_once_and_vllm_decodes_in_one_call():
     assert step_floor({**RUN, "prefill_shared": True}, 200, 20)["rollout"] == pytest.approx(0.04 + 1.6)
     assert step_floor({**RUN, "engine": "vllm", "prefill_shared": True}, 200, 20)["rollout"] == pytest.approx(1.64)
     assert step_floor({**RUN, "engine": "vllm", "gen_batch_size": 4}, 200, 20)["rollout"] == pytest.approx(0.32 + 1.6)
+
+
+def test_repeat_update_runs_the_next_update_again_over_its_batch_and_then_lets_go():
+    """`bench --update`: the learner's next update runs once as the step asked, then `reps` more times over the same
+    arguments, each timed; the update after it is the learner's own again."""
+    from rlcli.commands.bench import repeat_update
+
+    class Learner:
+        def __init__(self):
+            self.batches = []
+
+        def update(self, batch, phase):
+            self.batches.append((batch, phase))
+            return len(self.batches)
+
+    learner = Learner()
+    own = learner.update
+    times = repeat_update(learner, 3)
+    assert learner.update("b1", "rl") == 1  # the step's own result
+    assert learner.batches == [("b1", "rl")] * 4 and len(times) == 3 and all(t >= 0 for t in times)
+    assert learner.update == own and learner.update("b2", "rl") == 5 and len(times) == 3

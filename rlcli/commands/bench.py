@@ -8,7 +8,8 @@
    trains it. Extra arguments are Hydra overrides for every run, e.g. `make bench ARGS="algo=vapo
    hw.num_threads=1"`; `--only=SmolLM2` runs the shapes whose name contains that text. Below each table: each
    stage's GFLOP/s against the matmul peak measured in the run's precision, the memory bandwidth, and the step's
-   floor on this machine with the step's ratio to it (`step_floor`).
+   floor on this machine with the step's ratio to it (`step_floor`). `--update [overrides]` times the update alone:
+   one fixed batch six times after a warm-up step (hf rollout), against its floor.
 2. Asynchronous rollout against synchronous on the same two cores: two 8-step `rlcli train` jobs on the default
    task with a verifier that takes 20 ms per response (`hw=cpu` vs `hw=cpu_x2 rollout.async.max_staleness=1`),
    their median stage times and the throughput ratio in one table (`--only="default task"` runs it alone).
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 SCORING_SHAPE = {"rows": 1, "prompt": 64, "response": 2048, "vocab": 152064, "hidden": 256}
 SCORING_CHUNKS = (0, 1024, 256)  # 256 is hw.logits_chunk's default
@@ -74,11 +76,12 @@ MEDIANS = ("timing_s/rollout", "timing_s/reward", "timing_s/score", "timing_s/up
            "rollout_corr/logp_diff_max", "rollout_corr/kl")
 
 
-def train_steps(overrides: list[str], steps: int = STEPS) -> dict[str, float]:
+def train_steps(overrides: list[str], steps: int = STEPS, update_reps: int = 0) -> dict[str, float]:
     """Build the trainer for `overrides`, run one warm-up step and `steps` measured ones. -> the medians of MEDIANS
     (the rollout_corr ones when the engine returns log-probs), `tokens_per_step` (prompt + response tokens of the
     trained batch, all ranks), the memory plan's peak per device (`plan_gib`, as `rlcli train` plans it) and the
-    process's peak memory."""
+    process's peak memory. With `update_reps`, the first measured step's update runs that many times more over its
+    batch, timed (`update_s`: steadier than the step medians, whose batches and lengths differ)."""
     from hydra import compose, initialize_config_dir
 
     from rlcli.commands.launch import offline_environment
@@ -102,6 +105,8 @@ def train_steps(overrides: list[str], steps: int = STEPS) -> dict[str, float]:
     out = {"setup_s": time.perf_counter() - t0, "plan_gib": plan.peak / GIB}
     try:
         trainer.train_step(1)  # warm-up: first-call allocations (vLLM: its first-batch warm-up)
+        if update_reps:
+            out["update_s"] = repeat_update(trainer.learner, update_reps)
         rows = [trainer.train_step(step) for step in range(2, steps + 2)]
         t1 = time.perf_counter()
         trainer.rewards(["A: 1+1=2\n\\boxed{2}"] * 256, ["2"] * 256)
@@ -126,6 +131,43 @@ def train_steps(overrides: list[str], steps: int = STEPS) -> dict[str, float]:
     out["forward_tokens_per_step"] = out["groups"] * (tp + g * t) if learner.share else out["tokens_per_step"]
     out["peak_mem_gb"] = peak_mem_gb()
     return out
+
+
+def repeat_update(learner: Any, reps: int) -> list[float]:
+    """Have the learner's next update run `reps` more times over its batch (each an optimizer step), timed. -> the
+    list the seconds are appended to"""
+    update, times = learner.update, []
+
+    def repeated(*args: Any, **kwargs: Any) -> Any:
+        learner.update = update  # once
+        out = update(*args, **kwargs)
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            update(*args, **kwargs)
+            times.append(time.perf_counter() - t0)
+        return out
+
+    learner.update = repeated
+    return times
+
+
+def update_only(argv: list[str], reps: int = 6) -> None:
+    """`python -m rlcli.commands.bench --update [overrides]`: the update of one fixed batch `reps` times after a
+    warm-up step (hf rollout): its median and fastest seconds against its floor (6Psi per forward token at the matmul
+    peak of the run's precision)."""
+    out = subprocess.run([sys.executable, "-m", "rlcli.commands.bench", "--train", f"--update-reps={reps}",
+                          "rollout.engine=hf", *argv], capture_output=True, text=True, timeout=1800)
+    if out.returncode:
+        raise SystemExit(f"bench run failed:\n{out.stderr[-3000:]}")
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    peak = matmul_peak(r["precision"])
+    floor = step_floor(r, peak, memory_bandwidth())["update"]
+    median, best = statistics.median(r["update_s"]), min(r["update_s"])
+    print(f"rlcli bench --update {' '.join(argv)}: {r['params_m']:.2f}M parameters, one batch of "
+          f"{r['forward_tokens_per_step']:.0f} forward tokens, {reps} updates after a warm-up step")
+    print(f"update s: median {median:.3f}, fastest {best:.3f} ({' '.join(f'{x:.2f}' for x in r['update_s'])}); "
+          f"floor {floor:.2f} s at {peak:.0f} GFLOP/s ({r['precision']}): {100 * floor / median:.0f}% of the peak "
+          f"(fastest {100 * floor / best:.0f}%)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -328,6 +370,10 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--scoring-pass"]:
         scoring_pass(int(sys.argv[2]))
     elif sys.argv[1:2] == ["--train"]:
-        print(json.dumps(train_steps(sys.argv[2:])))
+        reps = [int(a.split("=", 1)[1]) for a in sys.argv[2:] if a.startswith("--update-reps=")]
+        print(json.dumps(train_steps([a for a in sys.argv[2:] if not a.startswith("--update-reps=")], STEPS if not reps
+                                     else 1, update_reps=reps[0] if reps else 0)))
+    elif sys.argv[1:2] == ["--update"]:
+        update_only(sys.argv[2:])
     else:
         main()
