@@ -62,6 +62,20 @@ def test_the_optimizer_is_torchs_fused_adamw_and_steps_as_the_unfused_one_up_to_
     assert max(moved) <= 1e-6  # rounding may differ (fused), nothing else does
 
 
+def test_a_checkpoint_from_before_the_fused_optimizer_resumes_fused(tmp_path):
+    """torch's load_state_dict takes the saved param groups whole: a checkpoint written by the unfused AdamW (its
+    groups say fused: None) would resume unfused. Engine.load sets it back."""
+    old = make_engine()
+    fill_grads(old, 1e-3)
+    assert old.step().applied
+    for group in old.torch_optimizer.param_groups:
+        group["fused"] = None  # as the optimizer before 2026-11-29 saved it
+    old.save(str(tmp_path), "policy")
+    new = make_engine()
+    new.load(str(tmp_path), "policy")
+    assert [g["fused"] for g in new.torch_optimizer.param_groups] == [True] * len(new.torch_optimizer.param_groups)
+
+
 def test_global_grad_norm_is_clipped_to_max_grad_norm():
     e = make_engine(lr=1e-3, max_grad_norm=1.0)
     seen = []

@@ -272,6 +272,17 @@ def test_the_update_takes_the_math_attention_kernel_only_on_a_cpu_under_autocast
     torch.manual_seed(1)
     _, flash_logp = kernel(10, grad=False, bf16=True)
     assert (math_logp - flash_logp).abs().max() < 0.05  # bf16 matmuls around either kernel
+    # Gradient checkpointing recomputes each block in the backward, outside the forward's kernel choice: flash, and
+    # the backward runs (with the math kernel in the forward it raised CheckpointError: saved and recomputed differ)
+    model.gradient_checkpointing_enable()
+    model.train()
+    ids = torch.randint(5, 60, (2, 16))
+    ones = torch.ones_like(ids)
+    seen.clear()
+    with torch.autocast("cpu", torch.bfloat16), Ops():
+        logp, _ = response_logprobs(model, ids[:, :6], ones[:, :6], ids[:, 6:], ones[:, 6:].float(), 1.0, chunk=64)
+    logp.sum().backward()
+    assert flash in seen
 
 
 def test_the_chunk_check_refuses_a_model_that_scales_logits_after_the_head():

@@ -265,3 +265,22 @@ def test_a_build_stopped_midway_resumes_when_the_next_run_needs_it(tmp_path):
     assert not (Path(stopped.run_dir) / "checkpoints").exists()  # dropped once published; the logs stay
     wa, wb = (load_file(os.path.join(p, "model.safetensors")) for p in (straight, path))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_a_stopped_build_resumes_whatever_else_the_config_says_but_not_another_warm_start(tmp_path):
+    """`rlcli sft` resumes a checkpoint of the same warm start (its cache key) whatever else differs (an rlcli
+    upgrade that moved an unrelated default, another cache root): nothing else shapes its steps; a checkpoint of
+    another warm start is refused with both keys. And an int in a float field is the same warm start as the float."""
+    from conftest import compose
+    from omegaconf import OmegaConf
+
+    from rlcli.commands.sft import same_warm_start
+    from rlcli.core.schema import ConfigError
+
+    OmegaConf.save(compose("model.warm_start.steps=7", "model.warm_start.cache_dir=/elsewhere", "optim.lr=0.5",
+                           run_dir=str(tmp_path)), tmp_path / "config.yaml")
+    same_warm_start(str(tmp_path), compose("model.warm_start.steps=7", "logger=stdout", run_dir=str(tmp_path)))
+    with pytest.raises(ConfigError, match=r"trained another warm start \(key \w{16}; this config's is \w{16}\)"):
+        same_warm_start(str(tmp_path), compose("model.warm_start.steps=8", run_dir=str(tmp_path)))
+    assert warm_start_key(SMALL, WarmStartConfig(carry_slip=0), task_args()) == warm_start_key(
+        SMALL, WarmStartConfig(carry_slip=0.0), task_args())

@@ -160,6 +160,9 @@ def update_only(argv: list[str], reps: int = 6) -> None:
     if out.returncode:
         raise SystemExit(f"bench run failed:\n{out.stderr[-3000:]}")
     r = json.loads(out.stdout.strip().splitlines()[-1])
+    if not r.get("update_s"):
+        raise SystemExit("bench --update: the learner's update was not called in the step (an asynchronous or remote "
+                         "learner?): nothing timed")
     peak = matmul_peak(r["precision"])
     floor = step_floor(r, peak, memory_bandwidth())["update"]
     median, best = statistics.median(r["update_s"]), min(r["update_s"])

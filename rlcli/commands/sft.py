@@ -37,9 +37,6 @@ def sft_job(cfg: Any) -> dict[str, Any]:
         return _report(warm_start(tiny, ws, **data))
     with open_dict(cfg):
         cfg.steps = ws.steps  # the job's length (`steps` is the RL run's, which sft does not read)
-    resume = checkpoint.resume_point(cfg)
-    with open_dict(cfg):
-        cfg.resume = resume  # the frozen config names the checkpoint itself
     from filelock import FileLock, Timeout
 
     lock = FileLock(build_dir(tiny, ws, data) + ".lock")
@@ -57,13 +54,41 @@ def sft_job(cfg: Any) -> dict[str, Any]:
     try:
         if (hit := cached_warm_start(tiny, ws, data)) is not None:
             return _report(hit)
-        from rlcli.loop import checkpoint as ckpt
+        # Under the lock: a build stopped in this directory is not moving on while this one reads it
+        resume = checkpoint.resume_point(cfg, check=same_warm_start)
+        with open_dict(cfg):
+            cfg.resume = resume  # the frozen config names the checkpoint itself
         from rlcli.loop.sft import SFTTrainer  # torch: after the checks
 
-        with ckpt.stop_on_disk_full(cfg):
+        with checkpoint.stop_on_disk_full(cfg):
             return SFTTrainer(cfg).fit()
     finally:
         lock.release()
+
+
+def same_warm_start(path: str, cfg: Any) -> None:
+    """`rlcli sft`'s check of a checkpoint to resume: it trains the same warm start (the same cache key: the tiny
+    model, model.warm_start but its cache_dir, the digits). Nothing else in the config shapes the job's steps, so
+    nothing else is compared (a build stopped before an rlcli upgrade that moved an unrelated default resumes).
+    Raises ConfigError naming both keys and the fix."""
+    from dataclasses import fields
+
+    from omegaconf import OmegaConf
+
+    from rlcli.core.schema import ConfigError
+    from rlcli.models.cache import task_args, warm_start_key
+    from rlcli.models.config import TinyModelConfig, WarmStartConfig
+
+    def key(c: Any) -> str:
+        tiny, ws = (schema(**{f.name: node[f.name] for f in fields(schema) if f.name in node})
+                    for schema, node in ((TinyModelConfig, c.model.tiny), (WarmStartConfig, c.model.warm_start)))
+        return warm_start_key(tiny, ws, task_args(min_digits=c.data.min_digits, max_digits=c.data.max_digits))
+
+    keys = [key(OmegaConf.load(f"{path}/config.yaml")), key(cfg)]
+    if keys[0] != keys[1]:
+        raise ConfigError(f"resume={path} trained another warm start (key {keys[0]}; this config's is {keys[1]}): "
+                          "set model.tiny.*, model.warm_start.* and data.min_digits/max_digits back to its values "
+                          "(its config.yaml), or start a new run in another hydra.run.dir")
 
 
 def _report(path: str) -> dict[str, Any]:

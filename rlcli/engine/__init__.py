@@ -180,9 +180,10 @@ class Engine:
         # Else torch's AdamW, fused: one vectorised kernel per tensor (CPU and CUDA), where its default on a CPU loops
         # over ~10 elementwise ops per tensor (SmolLM2's 135M parameters: 37 ms a step against 184 ms on 2 cores). The
         # same update up to rounding (6e-8 after 5 steps of unit-scale weights, tests/test_engine.py).
-        adamw = (deepspeed.ops.adam.DeepSpeedCPUAdam if hw.offload_optimizer
-                 else functools.partial(torch.optim.AdamW, fused=True))
+        self.fused = not hw.offload_optimizer
+        adamw = functools.partial(torch.optim.AdamW, fused=True) if self.fused else deepspeed.ops.adam.DeepSpeedCPUAdam
         opt = adamw(params, lr=lr, betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay)
+        self.torch_optimizer = opt
         self.ds, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=opt, config=ds_config(hw, optim)
         )
@@ -275,6 +276,9 @@ class Engine:
             raise FileNotFoundError(f"no DeepSpeed checkpoint {tag!r} in {directory}")
         self.scheduler.load_state_dict(state["rlcli_scheduler"])
         self.skipped_steps = state["rlcli_skipped_steps"]
+        for group in self.torch_optimizer.param_groups:  # a checkpoint from before the fused AdamW says fused: None
+            if "fused" in group:
+                group["fused"] = self.fused
 
 
 def _as_float(norm: Any) -> float:

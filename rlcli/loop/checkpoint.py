@@ -211,12 +211,13 @@ def damage(path: str, deep: bool = True) -> str | None:
     return None
 
 
-def resume_point(cfg: Any) -> str | None:
-    """The checkpoint `cfg.resume` names (resolve), checked against this run's config (check_compatible), before
-    anything loads; a run directory holding an earlier run's checkpoints is refused without resume=."""
+def resume_point(cfg: Any, check: Any = None) -> str | None:
+    """The checkpoint `cfg.resume` names (resolve), checked against this run's config (`check`(path, cfg), by default
+    check_compatible), before anything loads; a run directory holding an earlier run's checkpoints is refused without
+    resume=."""
     resume = resolve(cfg.resume, cfg.run_dir)
     if resume is not None:
-        check_compatible(resume, cfg)
+        (check or check_compatible)(resume, cfg)
     elif cfg.resume is None and latest(cfg.run_dir) is not None:
         raise SystemExit(f"{cfg.run_dir} holds checkpoints of an earlier run: pass resume=auto to continue it, "
                          "or choose another hydra.run.dir for a new run")

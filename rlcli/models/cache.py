@@ -12,7 +12,7 @@ import os
 import shutil
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, get_type_hints
 
 from rlcli.data.arith import arith_examples
 from rlcli.models.config import TOKENIZER_DIR, TinyModelConfig, WarmStartConfig
@@ -72,12 +72,12 @@ def warm_start_key(
 ) -> str:
     """Hash of everything that shapes the warm-started model (cache_dir excluded)."""
     # tool_demos=0 leaves the key of a warm start without tool demonstrations as it was before the knob existed
-    ws = {k: v for k, v in asdict(ws_cfg).items() if k != "cache_dir" and (k != "tool_demos" or v)}
+    ws = {k: v for k, v in typed(ws_cfg).items() if k != "cache_dir" and (k != "tool_demos" or v)}
     tokenizer_hash = hashlib.sha256((TOKENIZER_DIR / "tokenizer.json").read_bytes()).hexdigest()
     blob = json.dumps(
         {
             "version": WARM_START_VERSION,
-            "tiny": asdict(tiny_cfg),
+            "tiny": typed(tiny_cfg),
             "warm_start": ws,
             "data": data_kwargs,
             "tokenizer": tokenizer_hash,
@@ -85,3 +85,11 @@ def warm_start_key(
         sort_keys=True,
     )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def typed(cfg: Any) -> dict[str, Any]:
+    """asdict(cfg) with an int in a float field as a float: `carry_slip=0` and the config's `0.0` (how a Hydra
+    override or a YAML file gives it) are one warm start, with one key."""
+    hints = get_type_hints(type(cfg))
+    return {k: float(v) if hints.get(k) is float and isinstance(v, int) and not isinstance(v, bool) else v
+            for k, v in asdict(cfg).items()}

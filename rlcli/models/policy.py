@@ -26,14 +26,16 @@ def autocast(hw: Any) -> Any:
     return torch.autocast(hw.device, dtype=torch.bfloat16, enabled=mixed_precision(hw))
 
 
-def attention_kernel(device: torch.device, seq: int) -> Any:
-    """The SDPA kernels a forward over `seq` positions may use: only torch's math kernel where
+def attention_kernel(model: torch.nn.Module, device: torch.device, seq: int) -> Any:
+    """The SDPA kernels `model`'s forward over `seq` positions may use: only torch's math kernel where
     rlcli.core.precision.math_attention says so (a CPU under bf16 autocast, a pass that will be differentiated, at most
-    MATH_ATTENTION_MAX positions: its backward beats the bf16 flash kernel's there), else torch's own choice."""
+    MATH_ATTENTION_MAX positions, no gradient checkpointing: its backward beats the bf16 flash kernel's there), else
+    torch's own choice."""
     from rlcli.core.precision import MATH_ATTENTION_MAX
 
     if (device.type == "cpu" and torch.is_grad_enabled() and seq <= MATH_ATTENTION_MAX
-            and torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16):
+            and torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+            and not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())):
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         return sdpa_kernel([SDPBackend.MATH])
@@ -314,7 +316,7 @@ def response_outputs(
             raise ValueError("the full-vocabulary KL is not computed under sequence parallelism (hw.sp_size > 1)")
         layout = slices(prompt_ids, prompt_mask, response_ids, token_mask, device, sp)
         before, after, targets = _same, layout.pick, layout.targets  # [n, L/N]
-    kernel = attention_kernel(device, layout.inputs["input_ids"].shape[1]) if sp is None else nullcontext()
+    kernel = attention_kernel(model, device, layout.inputs["input_ids"].shape[1]) if sp is None else nullcontext()
     if not chunk:
         with kernel:
             logits = before(model(**layout.inputs, use_cache=False).logits)  # [n, t, V] predicts `targets`

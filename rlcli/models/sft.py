@@ -46,7 +46,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
+import re
 import shlex
 import shutil
 import signal
@@ -64,6 +66,7 @@ from rlcli.data.arith import arith_examples, is_correct
 from rlcli.models.cache import (
     WARM_START_VERSION,
     build_dir,
+    cache_root,
     cached_warm_start,
     publish,
     task_args,
@@ -273,9 +276,12 @@ def warm_start(tiny_cfg: TinyModelConfig, ws_cfg: WarmStartConfig, progress: boo
              "demonstrations and an accuracy check on %d held-out problems, about %.0f s on 2 idle cores, longer "
              "under load; `rlcli sft` in %s", final, ws_cfg.steps, ws_cfg.batch_size, ws_cfg.eval_size,
              ws_cfg.steps * ws_cfg.batch_size * SECONDS_PER_DEMO + ws_cfg.eval_size * 0.05, run_dir)
-    command = sft_command(tiny_cfg, ws_cfg, data, run_dir)
+    command = sft_command(tiny_cfg, ws_cfg, data)
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    # The paths go by the environment and the working directory, not as Hydra overrides (no quoting of any path)
+    env = {**os.environ, "RLCLI_CACHE": str(cache_root(ws_cfg).parent)}
     with subprocess.Popen(command, stdout=None if progress else subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True) as child:
+                          text=True, cwd=run_dir, env=env) as child:
         try:
             out, _ = child.communicate()
         except BaseException:  # Ctrl-C reached the child too; anything else: let it write its checkpoint and stop
@@ -296,18 +302,19 @@ def warm_start(tiny_cfg: TinyModelConfig, ws_cfg: WarmStartConfig, progress: boo
     return str(final)
 
 
-def sft_command(tiny_cfg: TinyModelConfig, ws_cfg: WarmStartConfig, data: dict[str, Any], run_dir: str) -> list[str]:
-    """`python -m rlcli sft` with every value that shapes this warm start, in `run_dir`, resuming what is there."""
-    def value(v: Any) -> str:
-        if v is None:
-            return "null"
-        return "'" + str(v).replace("\\", "\\\\").replace("'", "\\'") + "'" if isinstance(v, str) else str(v)
+def sft_command(tiny_cfg: TinyModelConfig, ws_cfg: WarmStartConfig, data: dict[str, Any]) -> list[str]:
+    """`python -m rlcli sft` with every value that shapes this warm start, run in the working directory (its run
+    directory, resuming what is there), the cache root from $RLCLI_CACHE (model.warm_start.cache_dir null)."""
+    def value(key: str, v: Any) -> str:
+        if isinstance(v, str) and not re.fullmatch(r"[\w.-]+", v):
+            raise ValueError(f"{key}={v!r}: a warm start's string values are plain names")
+        return f"{key}={v}"
 
     return [sys.executable, "-m", "rlcli", "sft",
-            *[f"model.tiny.{k}={value(v)}" for k, v in asdict(tiny_cfg).items()],
-            *[f"model.warm_start.{k}={value(v)}" for k, v in asdict(ws_cfg).items()],
-            f"data.min_digits={data['min_digits']}", f"data.max_digits={data['max_digits']}",
-            f"hydra.run.dir={value(run_dir)}", "resume=auto"]
+            *[value(f"model.tiny.{k}", v) for k, v in asdict(tiny_cfg).items()],
+            *[value(f"model.warm_start.{k}", v) for k, v in asdict(ws_cfg).items() if k != "cache_dir"],
+            "model.warm_start.cache_dir=null", f"data.min_digits={data['min_digits']}",
+            f"data.max_digits={data['max_digits']}", "hydra.run.dir=.", "resume=auto"]
 
 
 def warm_start_report(tiny_cfg: TinyModelConfig, ws_cfg: WarmStartConfig, data: dict[str, Any],

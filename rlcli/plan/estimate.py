@@ -190,7 +190,7 @@ def _estimate(cfg: Any, prompt: tuple[int, str], budget: int | None, budget_note
     tile = min(hw.tiled_mlp_positions or arch.hidden, part) if hw.tiled_mlp else 0
     off_ckpt = hw.offload_checkpoints and not on_cpu  # on CPU host memory is the device's
     # the math attention kernel's probabilities where a micro-batch may take it (a shorter one than this may, too)
-    scores = min(length, MATH_ATTENTION_MAX) if sp == 1 and math_attention(hw, 0) else 0
+    scores = min(length, MATH_ATTENTION_MAX) if sp == 1 and math_attention(hw, 0, m.gradient_checkpointing) else 0
     rows["activations"] = activation_bytes(arch, k, part, activation_element_bytes(hw), m.gradient_checkpointing,
                                            mask=sp == 1 and mb > 1, tile=tile, offload=off_ckpt, scores=scores)
     if off_ckpt:  # each block's checkpointed input, in host memory until its recompute
