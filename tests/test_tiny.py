@@ -284,3 +284,11 @@ def test_a_stopped_build_resumes_whatever_else_the_config_says_but_not_another_w
         same_warm_start(str(tmp_path), compose("model.warm_start.steps=8", run_dir=str(tmp_path)))
     assert warm_start_key(SMALL, WarmStartConfig(carry_slip=0), task_args()) == warm_start_key(
         SMALL, WarmStartConfig(carry_slip=0.0), task_args())
+
+
+def test_a_run_waits_for_its_warm_start_at_most_twenty_times_the_estimate_and_an_hour_at_least():
+    from rlcli.models.sft import build_timeout
+
+    assert build_timeout(WarmStartConfig(steps=2, batch_size=4, eval_size=4)) == 3600.0
+    assert build_timeout(WarmStartConfig(steps=2000, batch_size=320, eval_size=200)) == pytest.approx(
+        20 * (2000 * 320 * 0.012 + 200 * 0.05))

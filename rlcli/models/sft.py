@@ -283,8 +283,8 @@ def warm_start(tiny_cfg: TinyModelConfig, ws_cfg: WarmStartConfig, progress: boo
     with subprocess.Popen(command, stdout=None if progress else subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, cwd=run_dir, env=env) as child:
         try:
-            out, _ = child.communicate()
-        except BaseException:  # Ctrl-C reached the child too; anything else: let it write its checkpoint and stop
+            out, _ = child.communicate(timeout=build_timeout(ws_cfg))
+        except BaseException:  # Ctrl-C reached the child too; a timeout or anything else: let it checkpoint and stop
             if child.poll() is None:
                 child.send_signal(signal.SIGTERM)
                 child.wait(timeout=120)
@@ -300,6 +300,12 @@ def warm_start(tiny_cfg: TinyModelConfig, ws_cfg: WarmStartConfig, progress: boo
     log.info("warm start built in %.0f s: %s; greedy acc %.3f, sampled acc %.3f on %d held-out problems%s",
              report["wall_seconds"], final, report["greedy_acc"], report["sampled_acc"], report["eval_size"], without)
     return str(final)
+
+
+def build_timeout(ws_cfg: WarmStartConfig) -> float:
+    """Seconds a run waits for its warm start's `rlcli sft` before it stops the build (it resumes from its checkpoint
+    next time) and fails: 20x the estimate on 2 idle cores, at least an hour (a loaded machine took 7x, module doc)."""
+    return max(3600.0, 20 * (ws_cfg.steps * ws_cfg.batch_size * SECONDS_PER_DEMO + ws_cfg.eval_size * 0.05))
 
 
 def sft_command(tiny_cfg: TinyModelConfig, ws_cfg: WarmStartConfig, data: dict[str, Any]) -> list[str]:
