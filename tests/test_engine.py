@@ -410,3 +410,32 @@ def test_the_registry_of_zero3_engines_keeps_none_alive():
     del held
     gc.collect()
     assert -1 not in eng._ZERO3
+
+
+def test_keep_freed_memory_reuses_freed_blocks_without_page_faults():
+    """hw.keep_freed_memory (rlcli.engine.keep_freed_memory, glibc): a 64 MiB tensor allocated, written and freed again
+    and again reuses its pages once glibc's heap has settled (the first rounds may grow it); with glibc's defaults
+    every allocation of that size is a fresh mapping whose 16,384 pages fault in (and are zeroed by the kernel) each
+    time. Each in its own process (the setting is the process's)."""
+    import subprocess
+    import sys
+
+    script = """
+import resource, sys, torch
+from rlcli.engine import keep_freed_memory
+if sys.argv[1] == "keep":
+    assert keep_freed_memory()
+faults = []
+for _ in range(12):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    x = torch.empty(16 << 20).fill_(1.0); del x  # 64 MiB, touched
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(*faults)
+"""
+    faults = {}
+    for mode in ("keep", "default"):
+        out = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        faults[mode] = [int(n) for n in out.stdout.split()[-12:]]
+    assert all(n >= 16_384 * 0.9 for n in faults["default"][-4:]), faults  # every 4 KiB page, every time
+    assert sum(faults["keep"][-4:]) < 1000, faults  # small blocks between the large ones may grow the heap at first

@@ -61,8 +61,6 @@ def test_kv_cache_and_activation_counts():
     assert kv_cache_bytes(a, 8, 1000, 2) == 12_288 * 8_000
     # 6h + 4q + 4i + heads + seq = 5376 + 3584 + 19456 + 14 + 100 (k and v kept at the query's width)
     assert activation_elements_per_token(a, 100) == 28_530
-    # + heads x scores: the math attention kernel's probabilities (rlcli.core.precision.math_attention)
-    assert activation_elements_per_token(a, 100, scores=100) == 28_530 + 14 * 100
 
 
 def saved_bytes(layers: int, shape: dict, autocast: bool = False, response: int = 10) -> dict[str, int]:
@@ -123,17 +121,18 @@ def test_activation_count_matches_saved_tensors_of_a_real_block(name):
 def test_autocast_keeps_more_than_bf16_and_less_than_fp32_bytes_per_element():
     """bf16 by autocast (ZeRO-0) keeps fp32 tensors beside the bf16 matmul inputs: at SmolLM2's block shape one
     block's saved bytes lie between 2 and 4 bytes per formula element, so the plan counts 4 (activation_element_bytes:
-    a bound) and 2 would undercount. Under autocast on a CPU these short passes take the math attention kernel
-    (rlcli.core.precision.math_attention), whose fp32 probabilities the formula counts as `scores`."""
+    a bound) and 2 would undercount. On a CPU the attention runs in fp32 under autocast
+    (rlcli.models.policy.fp32_attention_on_cpu, which rlcli's autocast installs): q, k, v and its output kept in fp32,
+    within the bound at 16 and at 160 positions."""
+    from rlcli.models.policy import fp32_attention_on_cpu
     from rlcli.plan.states import activation_element_bytes
 
+    fp32_attention_on_cpu()
     shape = BLOCKS["smollm2"]
-    per_block = sum(saved_bytes(2, shape, True).values()) - sum(saved_bytes(1, shape, True).values())
-    elements = activation_elements_per_token(block_arch(shape), 16, scores=16) * 4 * 16
-    assert 2 * elements < per_block < 4 * elements
-    # 160 positions, where the math kernel's [heads, 160, 160] fp32 probabilities weigh: still within the bound
-    per_block = sum(saved_bytes(2, shape, True, 154).values()) - sum(saved_bytes(1, shape, True, 154).values())
-    assert per_block < 4 * activation_elements_per_token(block_arch(shape), 160, scores=160) * 4 * 160
+    for response, seq in ((10, 16), (154, 160)):
+        per_block = sum(saved_bytes(2, shape, True, response).values()) - sum(saved_bytes(1, shape, True, response).values())
+        elements = activation_elements_per_token(block_arch(shape), seq) * 4 * seq
+        assert 2 * elements < per_block < 4 * elements, seq
     assert activation_element_bytes(compose("hw.precision=bf16").hw) == 4
     assert activation_element_bytes(compose("hw.precision=bf16", "hw.zero_stage=1").hw) == 2
 

@@ -235,56 +235,6 @@ def test_the_head_is_recomputed_in_the_backward_only_when_there_are_several_chun
     assert scaled(x.bfloat16(), 1.0).dtype == torch.float32
 
 
-def test_the_update_takes_the_math_attention_kernel_only_on_a_cpu_under_autocast_for_short_sequences():
-    """rlcli.core.precision.math_attention at run time: a differentiated pass under bf16 autocast on a CPU of at most
-    MATH_ATTENTION_MAX positions runs torch's math SDPA kernel (its backward beats the bf16 flash kernel's); scoring
-    (no grad), fp32, and longer sequences keep the flash kernel. The ops dispatched are recorded; the log-probs agree
-    with the flash kernel's to bf16 rounding."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from rlcli.core.precision import MATH_ATTENTION_MAX
-
-    class Ops(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            seen.add(func.__name__)
-            return func(*args, **(kwargs or {}))
-
-    model = build_tiny_model(TinyModelConfig(), load_tiny_tokenizer(), seed=0)
-    flash = "_scaled_dot_product_flash_attention_for_cpu.default"
-
-    def kernel(response: int, grad: bool, bf16: bool) -> tuple[bool, torch.Tensor]:
-        ids = torch.randint(5, 60, (2, 6 + response))
-        ones = torch.ones_like(ids)
-        seen.clear()
-        with torch.set_grad_enabled(grad), torch.autocast("cpu", torch.bfloat16, enabled=bf16), Ops():
-            logp, _ = response_logprobs(model, ids[:, :6], ones[:, :6], ids[:, 6:], ones[:, 6:].float(), 1.0, chunk=64)
-        return flash in seen, logp.detach()
-
-    seen: set[str] = set()
-    torch.manual_seed(0)
-    assert kernel(10, grad=True, bf16=True)[0] is False  # 16 positions: math
-    assert kernel(MATH_ATTENTION_MAX - 6, grad=True, bf16=True)[0] is False
-    assert kernel(MATH_ATTENTION_MAX - 5, grad=True, bf16=True)[0] is True  # one position more: flash
-    assert kernel(10, grad=False, bf16=True)[0] is True  # scoring
-    assert kernel(10, grad=True, bf16=False)[0] is True  # fp32
-    torch.manual_seed(1)
-    _, math_logp = kernel(10, grad=True, bf16=True)
-    torch.manual_seed(1)
-    _, flash_logp = kernel(10, grad=False, bf16=True)
-    assert (math_logp - flash_logp).abs().max() < 0.05  # bf16 matmuls around either kernel
-    # Gradient checkpointing recomputes each block in the backward, outside the forward's kernel choice: flash, and
-    # the backward runs (with the math kernel in the forward it raised CheckpointError: saved and recomputed differ)
-    model.gradient_checkpointing_enable()
-    model.train()
-    ids = torch.randint(5, 60, (2, 16))
-    ones = torch.ones_like(ids)
-    seen.clear()
-    with torch.autocast("cpu", torch.bfloat16), Ops():
-        logp, _ = response_logprobs(model, ids[:, :6], ones[:, :6], ids[:, 6:], ones[:, 6:].float(), 1.0, chunk=64)
-    logp.sum().backward()
-    assert flash in seen
-
-
 def test_the_chunk_check_refuses_a_model_that_scales_logits_after_the_head():
     """Granite divides its logits by `logits_scaling` after the output projection: the chunked pass (output
     embedding of the hidden states) would be off by far more than rounding (0.48 nats at scaling 8, and a
@@ -323,3 +273,50 @@ def test_zero3_generation_gathers_only_where_the_memory_plan_chose_it(monkeypatc
         chosen = {mode: hf.HFEngine(model, tok, "", compose(f"rollout.zero3_generation={mode}")).gather
                   for mode in ("auto", "gathered", "per_layer")}
         assert chosen == {"auto": False, "gathered": over_ranks, "per_layer": False}
+
+
+def test_attention_under_cpu_autocast_runs_in_fp32_and_decoding_reads_the_cache_in_place():
+    """rlcli.models.policy.fp32_attention_on_cpu (installed by rlcli.models.autocast on a CPU): under bf16 autocast
+    every sdpa call gets fp32 q, k, v (autocast would cast them, the KV cache included, to bf16 at every call), and a
+    decoding step (one query position) takes decode_attention: two matmuls over each key-value head's group of
+    query heads, no flash call and no repeated copy of the cache. decode_attention equals sdpa over the repeated
+    heads on hand-made inputs (a padded key, grouped heads, with and without a mask)."""
+    import torch.nn.functional as F
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rlcli.models.policy import decode_attention, fp32_attention_on_cpu
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(3, 4, 1, 8, generator=g), torch.randn(3, 2, 5, 8, generator=g), torch.randn(3, 2, 5, 8, generator=g)
+    mask = torch.ones(3, 1, 1, 5, dtype=torch.bool)
+    mask[1, ..., :2] = False  # a left-padded row
+    for m in (mask, None):
+        want = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=m,
+                                              scale=0.3)  # [3, 4, 1, 8]
+        got, none = decode_attention(q, k, v, m, 0.3)
+        assert none is None and got.shape == (3, 1, 4, 8)
+        assert (got - want.transpose(1, 2)).abs().max() < 1e-6
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "scaled_dot_product" in func.__name__:
+                seen.append((func.__name__, args[0].dtype, args[0].shape[2]))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")).eval()
+    fp32_attention_on_cpu()
+    ids = torch.randint(3, 100, (2, 7))
+    am = torch.ones_like(ids)
+    am[0, :2] = 0
+    seen: list[tuple[str, torch.dtype, int]] = []
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), Ops():
+        out = model.generate(input_ids=ids, attention_mask=am, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert out.shape == (2, 11)
+    assert [(dtype, length) for _, dtype, length in seen] == [(torch.float32, 7)] * 2  # the prefill only, in fp32
+    seen.clear()
+    with torch.no_grad(), Ops():  # no autocast: sdpa as it was, at every step
+        model.generate(input_ids=ids, attention_mask=am, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert [length for _, _, length in seen] == [7, 7, 1, 1, 1, 1, 1, 1]

@@ -218,6 +218,9 @@ def test_a_verifiers_environment_trains_a_step_and_evaluates(tmp_path, monkeypat
 def test_a_missing_extra_names_it(monkeypatch):
     import sys
 
+    from rlcli.envs.verifiers import _inspected
+
+    _inspected.cache_clear()  # an earlier test's loaded environment would answer without importing anything
     monkeypatch.setitem(sys.modules, "verifiers.v1", None)  # as if verifiers were not installed
     with pytest.raises(ConfigError, match=r"env=verifiers needs verifiers .*pip install 'rlcli\[verifiers\]'"):
         validate(compose(*VF, "env.verifiers.id=vf_envs.arith"))

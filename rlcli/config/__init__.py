@@ -140,6 +140,12 @@ class HWConfig:
     the fixes to try; false = skip the refusal (the estimate can be wrong; auto budgets are still sized)."""
     num_threads: int | None = rng(None, ge=1)
     """torch intra-op threads per process (null = torch default)."""
+    keep_freed_memory: bool = True
+    """On a CPU under glibc: each training process keeps the memory torch frees for its next allocations (mallopt: no
+    mmap for large blocks, no trimming below 2 GiB free) instead of handing it back to the kernel, which zeroes fresh
+    pages at the next allocation of the same size: the SmolLM2 preset's update faulted 2.9 GiB in each time (1.4 s of
+    kernel time of 5.0 s; docs/results.md). Resident memory then stays near its peak between stages. false = glibc's
+    defaults."""
     shm_comm: bool = False
     """Use DeepSpeed's CPU shared-memory all-reduce op (JIT-compiled once, ~50 s); gloo otherwise."""
     master_port: int | None = rng(None, ge=1, le=65535)

@@ -36,22 +36,6 @@ def mixed_precision(hw: Any) -> bool:
     DeepSpeed holds bf16 weights and an fp32 master partition itself."""
     return hw.precision == "bf16" and hw.zero_stage == 0
 
-MATH_ATTENTION_MAX = 192
-"""The longest forward (positions) whose update runs attention in torch's math SDPA kernel under math_attention."""
-
-
-def math_attention(hw: Any, seq: int, checkpointing: bool) -> bool:
-    """Whether the update's attention over `seq` positions takes torch's math SDPA kernel instead of its CPU flash
-    kernel (rlcli.models.policy.attention_kernel, the same rule at run time): on a CPU under autocast
-    (mixed_precision) for at most MATH_ATTENTION_MAX positions, without gradient `checkpointing` (whose recompute in
-    the backward runs outside the forward's kernel choice and must save what the forward saved). The math kernel
-    computes in fp32 and keeps fp32 copies of q, k, v and the [heads, seq, seq] probabilities for the backward (the
-    memory plan counts the probabilities; q, k and v it counts at fp32 under autocast already); bf16 flash
-    attention's backward is slow there. Forward and backward of [8, 9, L, 64] with a mask on 2 cores (AVX512-BF16, no AMX, 2026-11-29):
-    flash / math 20 / 15 ms at L = 128, 34 / 23 ms at 175, 38 / 38 ms at 224, 39 / 43 ms at 256; forward alone
-    flash is faster at every L, so scoring and generation keep it."""
-    return hw.device == "cpu" and mixed_precision(hw) and seq <= MATH_ATTENTION_MAX and not checkpointing
-
 
 def trained_model(cfg: Any) -> Any:
     """cfg.model as the trained models (policy, critic, reward model under `rlcli rm`) load it: in float32 under

@@ -92,6 +92,8 @@ def _join(hw: Any) -> None:
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     if hw.num_threads:
         torch.set_num_threads(hw.num_threads)
+    if hw.device == "cpu" and hw.keep_freed_memory:
+        keep_freed_memory()
     if dist.is_available() and dist.is_initialized():  # a second trainer, or the training ranks' own group
         deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)  # (asynchronous rollout)
         return
@@ -104,6 +106,22 @@ def _join(hw: Any) -> None:
                                timeout=timedelta(seconds=hw.collective_timeout_s))
     if hw.device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+
+
+@functools.cache
+def keep_freed_memory() -> bool:
+    """hw.keep_freed_memory: glibc's malloc serves every block from its heap (M_MMAP_MAX 0: no block of its own mapping,
+    unmapped when freed) and returns the heap's free top to the kernel only beyond 2 GiB (M_TRIM_THRESHOLD), so freed
+    tensors' memory is reused as it is, not zeroed again by page faults. -> whether glibc took both settings (False
+    elsewhere: another C library leaves allocation as it is)."""
+    import ctypes
+    import platform
+
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    mallopt = ctypes.CDLL(None).mallopt  # this process's C library
+    m_trim_threshold, m_mmap_max = -1, -4  # <malloc.h>
+    return bool(mallopt(m_mmap_max, 0)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
 
 
 def rank() -> int:

@@ -153,6 +153,7 @@ def _wrap(attention: str) -> None:
         return _ACTIVE.ulysses(module, original, query.shape[0])(module, query, key, value, None, *args, **kwargs)
 
     routed.rlcli_sequence_parallel = True  # type: ignore[attr-defined]
+    routed.rlcli_fp32 = getattr(original, "rlcli_fp32", False)  # type: ignore[attr-defined]  # models.policy's wrap
     ALL_ATTENTION_FUNCTIONS[attention] = routed
 
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,23 +24,64 @@ def autocast(hw: Any) -> Any:
     themselves; log-softmax, losses and reductions stay fp32 (rlcli casts logits to fp32 before them)."""
     from rlcli.core.precision import mixed_precision
 
-    return torch.autocast(hw.device, dtype=torch.bfloat16, enabled=mixed_precision(hw))
+    enabled = mixed_precision(hw)
+    if enabled and hw.device == "cpu":
+        fp32_attention_on_cpu()
+    return torch.autocast(hw.device, dtype=torch.bfloat16, enabled=enabled)
 
 
-def attention_kernel(model: torch.nn.Module, device: torch.device, seq: int) -> Any:
-    """The SDPA kernels `model`'s forward over `seq` positions may use: only torch's math kernel where
-    rlcli.core.precision.math_attention says so (a CPU under bf16 autocast, a pass that will be differentiated, at most
-    MATH_ATTENTION_MAX positions, no gradient checkpointing: its backward beats the bf16 flash kernel's there), else
-    torch's own choice."""
-    from rlcli.core.precision import MATH_ATTENTION_MAX
+FP32_ATTENTION_MAX = 512
+"""The most key positions whose attention fp32_attention_on_cpu computes in fp32 (beyond, bf16 as autocast casts)."""
 
-    if (device.type == "cpu" and torch.is_grad_enabled() and seq <= MATH_ATTENTION_MAX
-            and torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
-            and not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())):
-        from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        return sdpa_kernel([SDPBackend.MATH])
-    return nullcontext()
+@functools.cache
+def fp32_attention_on_cpu() -> None:
+    """Route transformers' `sdpa` attention through fp32 on a CPU without AMX under autocast (once per process). There
+    q and k arrive in fp32 (RoPE's fp32 cos and sin promote them) and autocast would cast q, k and v to bf16 at every
+    call (at each decoding step the whole KV cache); on such a CPU (AVX512-BF16 without AMX) torch's fp32 attention
+    kernels are as fast as its bf16 ones or faster up to FP32_ATTENTION_MAX key positions, forward and backward (2
+    cores, docs/results.md). A decoding step (one query position) takes decode_attention. The fp32 output goes to
+    o_proj, which autocast casts to bf16. Elsewhere (a GPU, no autocast, longer keys) `sdpa` runs as it was. Ulysses
+    (rlcli.engine.sequence) wraps it or is wrapped by it: each carries the other's mark, so neither wraps twice."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from rlcli.core.precision import native_bf16
+
+    original = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    if getattr(original, "rlcli_fp32", False) or native_bf16("cpu") == "AMX-BF16":
+        return
+
+    def attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, mask: Any, *args: Any,
+                  **kwargs: Any) -> Any:
+        if query.device.type != "cpu" or not torch.is_autocast_enabled("cpu") or key.shape[2] > FP32_ATTENTION_MAX:
+            return original(module, query, key, value, mask, *args, **kwargs)
+        with torch.autocast("cpu", enabled=False):
+            query, key, value = query.float(), key.float(), value.float()
+            if query.shape[2] == 1 and not args and kwargs.get("dropout", 0.0) == 0.0 and kwargs.get(
+                    "position_bias") is None and kwargs.get("cache") is None and (mask is None or mask.dtype == torch.bool):
+                return decode_attention(query, key, value, mask, kwargs.get("scaling"))
+            return original(module, query, key, value, mask, *args, **kwargs)
+
+    attention.rlcli_fp32 = True  # type: ignore[attr-defined]
+    attention.rlcli_sequence_parallel = getattr(original, "rlcli_sequence_parallel", False)  # type: ignore[attr-defined]
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = attention
+
+
+def decode_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, scaling: float | None
+                     ) -> tuple[Tensor, None]:
+    """One decoding step's attention as `sdpa` computes it (fp32, no dropout): queries [b, h, 1, d] of h = g·kv heads
+    against the KV cache [b, kv, L, d] and a boolean mask [b or 1, 1, 1, L] (True: attend) or None, each group of g query
+    heads reading its key-value head in place (no repeated copy of the cache), in two batched matmuls instead of a
+    flash-kernel call (whose fixed cost per call is most of a decoding step's attention at these lengths,
+    docs/results.md). -> (the output [b, 1, h, d], None) like transformers' sdpa_attention_forward."""
+    b, h, _, d = query.shape
+    kv = key.shape[1]
+    scores = torch.matmul(query.view(b, kv, h // kv, d), key.transpose(-1, -2))  # [b, kv, g, L]
+    scores = scores.mul_(d**-0.5 if scaling is None else scaling)
+    if mask is not None:
+        scores = scores.masked_fill_(~mask.view(mask.shape[0], 1, 1, mask.shape[-1]), float("-inf"))
+    out = torch.matmul(torch.softmax(scores, -1), value)  # [b, kv, g, d]
+    return out.view(b, 1, h, d), None
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
@@ -316,13 +358,10 @@ def response_outputs(
             raise ValueError("the full-vocabulary KL is not computed under sequence parallelism (hw.sp_size > 1)")
         layout = slices(prompt_ids, prompt_mask, response_ids, token_mask, device, sp)
         before, after, targets = _same, layout.pick, layout.targets  # [n, L/N]
-    kernel = attention_kernel(model, device, layout.inputs["input_ids"].shape[1]) if sp is None else nullcontext()
     if not chunk:
-        with kernel:
-            logits = before(model(**layout.inputs, use_cache=False).logits)  # [n, t, V] predicts `targets`
+        logits = before(model(**layout.inputs, use_cache=False).logits)  # [n, t, V] predicts `targets`
         return _picked(after, _token_outputs(logits, targets, temperature, with_entropy, entropy_grad, kl_to))
-    with kernel:
-        hidden = before(model.get_decoder()(**layout.inputs, use_cache=False).last_hidden_state)  # [n, t, H]
+    hidden = before(model.get_decoder()(**layout.inputs, use_cache=False).last_hidden_state)  # [n, t, H]
     head = model.get_output_embeddings()
 
     def part(h: Tensor, y: Tensor, other: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:  # [n, c, H], [n, c] -> [n, c]

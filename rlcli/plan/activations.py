@@ -7,7 +7,7 @@ from rlcli.core.layout import forward_shape
 from rlcli.plan.shapes import Arch
 
 
-def activation_elements_per_token(arch: Arch, seq: int, mask: bool = True, scores: int = 0) -> int:
+def activation_elements_per_token(arch: Arch, seq: int, mask: bool = True) -> int:
     """Elements one Llama/Qwen2 block keeps for backward per token, counted like Korthikanti et al. 2022 §4.1
     for this block and checked with torch's saved-tensor hooks on Llama blocks with and without grouped-query
     attention (tests/test_plan.py): each RMSNorm's input and normalised input (2h each) and its weighted output
@@ -16,15 +16,13 @@ def activation_elements_per_token(arch: Arch, seq: int, mask: bool = True, score
     attention, and attention keeps the repeated ones), the SwiGLU MLP's gate, SiLU(gate), up and their product
     (4 x intermediate), SDPA's log-sum-exp (one per head) and the [seq, seq] attention mask of a padded batch (seq
     per token; none under sequence parallelism, `mask` false: Ulysses attention is causal without a mask). No dropout
-    masks (these models have none). With `scores` > 0 the attention runs in torch's math kernel
-    (rlcli.core.precision.math_attention), which keeps its fp32 probabilities, `scores` per head and token (fp32 like
-    every element the plan counts under autocast, the one precision that takes the kernel)."""
+    masks (these models have none)."""
     q = arch.heads * arch.head_dim
-    return 6 * arch.hidden + 4 * q + 4 * arch.intermediate + arch.heads + (seq if mask else 0) + arch.heads * scores
+    return 6 * arch.hidden + 4 * q + 4 * arch.intermediate + arch.heads + (seq if mask else 0)
 
 
 def activation_bytes(arch: Arch, rows: int, seq: int, act_bytes: int, checkpointing: bool, mask: bool = True,
-                     tile: int = 0, offload: bool = False, scores: int = 0) -> float:
+                     tile: int = 0, offload: bool = False) -> float:
     """Activations alive at the peak of a backward over [rows, seq] tokens. Without checkpointing every block
     keeps activation_elements_per_token; with it (HF gradient checkpointing, one checkpoint per block) each
     block keeps only its input (h per token; Korthikanti et al.: 2sbh bytes per layer in 16-bit) and the
@@ -36,7 +34,7 @@ def activation_bytes(arch: Arch, rows: int, seq: int, act_bytes: int, checkpoint
     `tile` positions of every row at a time; with `offload` (hw.offload_checkpoints) the checkpoints wait in host
     memory, not on the device."""
     tokens = rows * seq
-    per_token = activation_elements_per_token(arch, seq, mask, scores) - (4 * arch.intermediate if tile else 0)
+    per_token = activation_elements_per_token(arch, seq, mask) - (4 * arch.intermediate if tile else 0)
     block = per_token * tokens * act_bytes
     final = 3 * arch.hidden * tokens * act_bytes
     mlp_tile = 2 * 4 * arch.intermediate * rows * min(tile, seq) * act_bytes if tile else 0

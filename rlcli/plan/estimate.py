@@ -8,7 +8,6 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlcli.core.precision import MATH_ATTENTION_MAX, math_attention
 from rlcli.core.topology import generates_partitioned
 from rlcli.plan.activations import activation_bytes, kv_cache_bytes, kv_token_bytes, logits_bytes, micro_shape
 from rlcli.plan.inputs import device_memory, prompt_tokens
@@ -189,10 +188,8 @@ def _estimate(cfg: Any, prompt: tuple[int, str], budget: int | None, budget_note
     # (and Ulysses never takes one)
     tile = min(hw.tiled_mlp_positions or arch.hidden, part) if hw.tiled_mlp else 0
     off_ckpt = hw.offload_checkpoints and not on_cpu  # on CPU host memory is the device's
-    # the math attention kernel's probabilities where a micro-batch may take it (a shorter one than this may, too)
-    scores = min(length, MATH_ATTENTION_MAX) if sp == 1 and math_attention(hw, 0, m.gradient_checkpointing) else 0
     rows["activations"] = activation_bytes(arch, k, part, activation_element_bytes(hw), m.gradient_checkpointing,
-                                           mask=sp == 1 and mb > 1, tile=tile, offload=off_ckpt, scores=scores)
+                                           mask=sp == 1 and mb > 1, tile=tile, offload=off_ckpt)
     if off_ckpt:  # each block's checkpointed input, in host memory until its recompute
         host += arch.layers * arch.hidden * k * part * activation_element_bytes(hw)
     notes["activations"] = (f"[{k} sequences, {length} tokens]"
@@ -201,7 +198,6 @@ def _estimate(cfg: Any, prompt: tuple[int, str], budget: int | None, budget_note
                             + f"{'gradient checkpointing' if m.gradient_checkpointing else 'no checkpointing'}"
                             + (" (kept in host memory)" if off_ckpt else "")
                             + (f", the MLP in tiles of {tile} positions" if tile else "")
-                            + (f", math attention's probabilities up to {scores} positions" if scores else "")
                             + (", counted at fp32's 4 B under autocast (a bound)" if mixed_precision(hw) else ""))
     if sp == 1:  # the response positions' logits, in chunks
         rows["logits chunk"] = logits_bytes(arch, mb, tp, r.max_new_tokens, hw.logits_chunk, act_bytes, k * length)
