@@ -192,3 +192,21 @@ def policy_tensors(run) -> dict:
     from safetensors.torch import load_file
 
     return load_file(str(Path(run) / "policy" / "model.safetensors"))
+
+
+@pytest.fixture
+def fp32_attention():
+    """rlcli.models.policy.fp32_attention_on_cpu installed for the test, transformers' own sdpa entry restored after."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from rlcli.core.precision import native_bf16
+    from rlcli.models.policy import fp32_attention_on_cpu
+
+    if native_bf16("cpu") == "AMX-BF16":
+        pytest.skip("on a CPU with AMX attention stays in bf16 (fp32_attention_on_cpu installs nothing)")
+    original = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    fp32_attention_on_cpu.cache_clear()
+    fp32_attention_on_cpu()
+    yield
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = original
+    fp32_attention_on_cpu.cache_clear()

@@ -417,9 +417,12 @@ def test_keep_freed_memory_reuses_freed_blocks_without_page_faults():
     and again reuses its pages once glibc's heap has settled (the first rounds may grow it); with glibc's defaults
     every allocation of that size is a fresh mapping whose 16,384 pages fault in (and are zeroed by the kernel) each
     time. Each in its own process (the setting is the process's)."""
+    import platform
     import subprocess
     import sys
 
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("keep_freed_memory sets glibc's malloc only")
     script = """
 import resource, sys, torch
 from rlcli.engine import keep_freed_memory
@@ -437,5 +440,7 @@ print(*faults)
         out = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr[-2000:]
         faults[mode] = [int(n) for n in out.stdout.split()[-12:]]
-    assert all(n >= 16_384 * 0.9 for n in faults["default"][-4:]), faults  # every 4 KiB page, every time
-    assert sum(faults["keep"][-4:]) < 1000, faults  # small blocks between the large ones may grow the heap at first
+    # glibc's defaults: the pages fault in again every time (16,384 of 4 KiB; 32 under transparent huge pages)
+    assert all(n >= 32 for n in faults["default"][-4:]), faults
+    # kept: none once the heap has settled (small blocks between the large ones may grow it at first)
+    assert sum(faults["keep"][-4:]) * 10 < sum(faults["default"][-4:]), faults

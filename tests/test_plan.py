@@ -118,16 +118,14 @@ def test_activation_count_matches_saved_tensors_of_a_real_block(name):
     assert per_block == activation_elements_per_token(block_arch(shape), 16) * 4 * 16 + 2 * 4 * 16
 
 
-def test_autocast_keeps_more_than_bf16_and_less_than_fp32_bytes_per_element():
+def test_autocast_keeps_more_than_bf16_and_less_than_fp32_bytes_per_element(fp32_attention):
     """bf16 by autocast (ZeRO-0) keeps fp32 tensors beside the bf16 matmul inputs: at SmolLM2's block shape one
     block's saved bytes lie between 2 and 4 bytes per formula element, so the plan counts 4 (activation_element_bytes:
     a bound) and 2 would undercount. On a CPU the attention runs in fp32 under autocast
     (rlcli.models.policy.fp32_attention_on_cpu, which rlcli's autocast installs): q, k, v and its output kept in fp32,
     within the bound at 16 and at 160 positions."""
-    from rlcli.models.policy import fp32_attention_on_cpu
     from rlcli.plan.states import activation_element_bytes
 
-    fp32_attention_on_cpu()
     shape = BLOCKS["smollm2"]
     for response, seq in ((10, 16), (154, 160)):
         per_block = sum(saved_bytes(2, shape, True, response).values()) - sum(saved_bytes(1, shape, True, response).values())

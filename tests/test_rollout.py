@@ -275,7 +275,7 @@ def test_zero3_generation_gathers_only_where_the_memory_plan_chose_it(monkeypatc
         assert chosen == {"auto": False, "gathered": over_ranks, "per_layer": False}
 
 
-def test_attention_under_cpu_autocast_runs_in_fp32_and_decoding_reads_the_cache_in_place():
+def test_attention_under_cpu_autocast_runs_in_fp32_and_decoding_reads_the_cache_in_place(fp32_attention):
     """rlcli.models.policy.fp32_attention_on_cpu (installed by rlcli.models.autocast on a CPU): under bf16 autocast
     every sdpa call gets fp32 q, k, v (autocast would cast them, the KV cache included, to bf16 at every call), and a
     decoding step (one query position) takes decode_attention: two matmuls over each key-value head's group of
@@ -285,13 +285,13 @@ def test_attention_under_cpu_autocast_runs_in_fp32_and_decoding_reads_the_cache_
     from torch.utils._python_dispatch import TorchDispatchMode
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from rlcli.models.policy import decode_attention, fp32_attention_on_cpu
+    from rlcli.models.policy import decode_attention
 
     g = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(3, 4, 1, 8, generator=g), torch.randn(3, 2, 5, 8, generator=g), torch.randn(3, 2, 5, 8, generator=g)
     mask = torch.ones(3, 1, 1, 5, dtype=torch.bool)
     mask[1, ..., :2] = False  # a left-padded row
-    for m in (mask, None):
+    for m in (mask, None, mask[1:2]):  # a row's mask, a batch without padding, one mask broadcast over the rows
         want = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=m,
                                               scale=0.3)  # [3, 4, 1, 8]
         got, none = decode_attention(q, k, v, m, 0.3)
@@ -307,7 +307,6 @@ def test_attention_under_cpu_autocast_runs_in_fp32_and_decoding_reads_the_cache_
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")).eval()
-    fp32_attention_on_cpu()
     ids = torch.randint(3, 100, (2, 7))
     am = torch.ones_like(ids)
     am[0, :2] = 0

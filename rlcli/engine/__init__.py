@@ -121,7 +121,8 @@ def keep_freed_memory() -> bool:
         return False
     mallopt = ctypes.CDLL(None).mallopt  # this process's C library
     m_trim_threshold, m_mmap_max = -1, -4  # <malloc.h>
-    return bool(mallopt(m_mmap_max, 0)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
+    no_mmap, no_trim = mallopt(m_mmap_max, 0), mallopt(m_trim_threshold, 2**31 - 1)  # 1 = taken
+    return no_mmap == 1 and no_trim == 1
 
 
 def rank() -> int:

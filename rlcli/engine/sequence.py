@@ -136,6 +136,11 @@ class SequenceParallel:
         return RolloutBatch.cat(parts), slice(start, start + len(batch))
 
 
+def sharding_active() -> bool:
+    """Whether a group's `sharding()` is open in this process (attention runs through Ulysses)."""
+    return _ACTIVE is not None
+
+
 def _wrap(attention: str) -> None:
     """Route transformers' `attention` implementation through Ulysses while a group's `sharding()` is open (once per
     process). The mask a model builds for its slice is dropped: the slice's rows are laid out without left padding

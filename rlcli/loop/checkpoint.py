@@ -64,6 +64,7 @@ MAY_CHANGE = frozenset({
     "hw.micro_batch", "hw.max_tokens_per_micro_batch", "hw.logits_chunk", "hw.share_prompts", "hw.num_threads", "hw.shm_comm", "hw.master_port",
     "hw.collective_timeout_s", "hw.shutdown_timeout_s", "rollout.gen_batch_size", "reward.num_workers", "reward.rm.batch_size",
     "hw.device_memory_gb", "hw.check_memory",  # the memory check before training, not the run
+    "hw.keep_freed_memory",  # where freed memory goes (glibc's malloc), not what is computed
     # where and how patiently the judge is asked, not what it answers (its replies are cached by request, never by URL)
     "reward.judge.url", "reward.judge.api_key_env", "reward.judge.concurrency", "reward.judge.timeout_s",
     "reward.judge.retries", "reward.judge.backoff_s", "reward.judge.batch_size", "reward.judge.on_error",

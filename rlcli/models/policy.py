@@ -41,11 +41,13 @@ def fp32_attention_on_cpu() -> None:
     call (at each decoding step the whole KV cache); on such a CPU (AVX512-BF16 without AMX) torch's fp32 attention
     kernels are as fast as its bf16 ones or faster up to FP32_ATTENTION_MAX key positions, forward and backward (2
     cores, docs/results.md). A decoding step (one query position) takes decode_attention. The fp32 output goes to
-    o_proj, which autocast casts to bf16. Elsewhere (a GPU, no autocast, longer keys) `sdpa` runs as it was. Ulysses
-    (rlcli.engine.sequence) wraps it or is wrapped by it: each carries the other's mark, so neither wraps twice."""
+    o_proj, which autocast casts to bf16. Elsewhere (a GPU, no autocast, longer keys, sequence parallelism) `sdpa`
+    runs as it was. Ulysses (rlcli.engine.sequence) wraps it or is wrapped by it: each carries the other's mark, so
+    neither wraps twice."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from rlcli.core.precision import native_bf16
+    from rlcli.engine.sequence import sharding_active
 
     original = ALL_ATTENTION_FUNCTIONS["sdpa"]
     if getattr(original, "rlcli_fp32", False) or native_bf16("cpu") == "AMX-BF16":
@@ -53,7 +55,8 @@ def fp32_attention_on_cpu() -> None:
 
     def attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, mask: Any, *args: Any,
                   **kwargs: Any) -> Any:
-        if query.device.type != "cpu" or not torch.is_autocast_enabled("cpu") or key.shape[2] > FP32_ATTENTION_MAX:
+        if (query.device.type != "cpu" or not torch.is_autocast_enabled("cpu") or key.shape[2] > FP32_ATTENTION_MAX
+                or sharding_active()):  # Ulysses: this rank's slice of the positions, before its all-to-all
             return original(module, query, key, value, mask, *args, **kwargs)
         with torch.autocast("cpu", enabled=False):
             query, key, value = query.float(), key.float(), value.float()
@@ -81,7 +84,7 @@ def decode_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | N
     if mask is not None:
         scores = scores.masked_fill_(~mask.view(mask.shape[0], 1, 1, mask.shape[-1]), float("-inf"))
     out = torch.matmul(torch.softmax(scores, -1), value)  # [b, kv, g, d]
-    return out.view(b, 1, h, d), None
+    return out.reshape(b, 1, h, value.shape[-1]), None  # values may be wider than queries and keys (MLA)
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
@@ -452,9 +455,9 @@ def prompt_sharing_for(model: torch.nn.Module, share: bool) -> tuple[bool, str]:
     (remote code, a model building its own causal mask), fails it and runs a forward per row. Under ZeRO-3 every
     rank runs it at the same point (each forward is a collective).
 
-    Under bf16 autocast over fp32 weights the two layouts take different attention kernels (sdpa: the causal one
-    per row, the masked one shared), whose bf16 roundings differ by up to an ulp of the bf16 logits (SmolLM2: 0.15
-    nats at logits of 34, where an ulp is 0.25). Both are then measured against the same forward in fp32: the shared
+    Under bf16 autocast over fp32 weights the two layouts may take different attention kernels (sdpa: the causal
+    one per row, the masked one shared), whose roundings, with the bf16 matmuls around them, differ by up to an ulp of
+    the bf16 logits (SmolLM2 with bf16 attention: 0.15 nats at logits of 34, where an ulp is 0.25). Both are then measured against the same forward in fp32: the shared
     one passes when it is within twice the per-row forward's own distance from it (SmolLM2: 0.146 against 0.102),
     while a block mask that lets segments see each other misses by nats (2.0 on the same check)."""
     attention = attention_of(model)
