@@ -275,7 +275,7 @@ def test_zero3_generation_gathers_only_where_the_memory_plan_chose_it(monkeypatc
         assert chosen == {"auto": False, "gathered": over_ranks, "per_layer": False}
 
 
-def test_attention_under_cpu_autocast_runs_in_fp32_and_decoding_reads_the_cache_in_place(fp32_attention):
+def test_attention_under_cpu_autocast_runs_in_fp32_and_decoding_reads_the_cache_in_place(fp32_attention, monkeypatch):
     """rlcli.models.policy.fp32_attention_on_cpu (installed by rlcli.models.autocast on a CPU): under bf16 autocast
     every sdpa call gets fp32 q, k, v (autocast would cast them, the KV cache included, to bf16 at every call), and a
     decoding step (one query position) takes decode_attention: two matmuls over each key-value head's group of
@@ -297,6 +297,10 @@ def test_attention_under_cpu_autocast_runs_in_fp32_and_decoding_reads_the_cache_
         got, none = decode_attention(q, k, v, m, 0.3)
         assert none is None and got.shape == (3, 1, 4, 8)
         assert (got - want.transpose(1, 2)).abs().max() < 1e-6
+    wide = torch.randn(3, 2, 5, 12, generator=g)  # values wider than queries and keys (multi-head latent attention)
+    want = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), wide.repeat_interleave(2, 1), attn_mask=mask)
+    got, _ = decode_attention(q, k, wide, mask, None)  # scaling None: 1/sqrt(d) of the queries' 8
+    assert got.shape == (3, 1, 4, 12) and (got - want.transpose(1, 2)).abs().max() < 1e-6
 
     class Ops(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -319,3 +323,11 @@ def test_attention_under_cpu_autocast_runs_in_fp32_and_decoding_reads_the_cache_
     with torch.no_grad(), Ops():  # no autocast: sdpa as it was, at every step
         model.generate(input_ids=ids, attention_mask=am, max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert [length for _, _, length in seen] == [7, 7, 1, 1, 1, 1, 1, 1]
+    # Under Ulysses (an open sharding(): the wrapper sees one rank's slice of the positions) sdpa runs as it was
+    import rlcli.engine.sequence as sequence
+
+    monkeypatch.setattr(sequence, "_ACTIVE", object())
+    seen.clear()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), Ops():
+        model.generate(input_ids=ids, attention_mask=am, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert [(dtype, length) for _, dtype, length in seen] == [(torch.bfloat16, n) for n in (7, 7, 1, 1, 1, 1, 1, 1)]

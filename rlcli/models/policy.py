@@ -456,10 +456,10 @@ def prompt_sharing_for(model: torch.nn.Module, share: bool) -> tuple[bool, str]:
     rank runs it at the same point (each forward is a collective).
 
     Under bf16 autocast over fp32 weights the two layouts may take different attention kernels (sdpa: the causal
-    one per row, the masked one shared), whose roundings, with the bf16 matmuls around them, differ by up to an ulp of
-    the bf16 logits (SmolLM2 with bf16 attention: 0.15 nats at logits of 34, where an ulp is 0.25). Both are then measured against the same forward in fp32: the shared
-    one passes when it is within twice the per-row forward's own distance from it (SmolLM2: 0.146 against 0.102),
-    while a block mask that lets segments see each other misses by nats (2.0 on the same check)."""
+    one per row, the masked one shared), whose roundings, with the bf16 matmuls around them, differ by up to an ulp
+    of the bf16 logits (SmolLM2 with bf16 attention: 0.15 nats at logits of 34, where an ulp is 0.25). Both are then
+    measured against the same forward in fp32: the shared one passes when it is within twice the per-row forward's
+    own distance from it (SmolLM2: 0.146 against 0.102), while a block mask that lets segments see each other misses by nats (2.0 on the same check)."""
     attention = attention_of(model)
     if not share:
         return False, "a forward per row (hw.share_prompts=false)"
