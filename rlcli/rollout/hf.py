@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -159,6 +161,53 @@ def generate(
     return rollout_batch(tokenizer, prompt_ids, prompt_mask, response_ids, rollout_logp, answers, n, group_offset)
 
 
+def exponential_draws(shape: tuple[int, ...], generator: torch.Generator | None = None) -> Tensor:
+    """`torch.empty(shape).exponential_(generator=generator)` on a CPU: the same fp32 numbers from the same random
+    stream, the generator left in the same state, about 2x faster. torch's CPU kernel draws each number serially as
+    -log1p(-u) in double from a uniform double u (53 bits of its Mersenne Twister, in element order) and rounds it to
+    fp32; here the uniforms come from `torch.rand` in double (the same stream, in the same order) and `exponential_of`
+    transforms them on every thread. -> [*shape] fp32"""
+    return exponential_of(torch.rand(shape, dtype=torch.float64, generator=generator))
+
+
+def exponential_of(u: Tensor) -> Tensor:
+    """fp32 -log1p(-u) of uniform doubles u, rounded as libm's log1p in double then a cast (torch's serial exponential
+    kernel) rounds it. torch's vectorized log1p may differ from libm's in the last bit of the double; that changes the
+    fp32 result only where the double lies within an ulp or so of a midpoint between two fp32 numbers (about one
+    element in 30 draws of [64, 49152]): those elements, found with a margin of 4 ulps, are recomputed with libm's
+    log1p (Python's math.log1p). -> fp32, u's shape"""
+    y = torch.log1p(-u).neg_()  # Exp(1) in double
+    q = y.float()
+    near = (y * (1 - 2**-50)).float() != y.mul_(1 + 2**-50).float()  # within 4 ulps of a rounding midpoint
+    for i in near.flatten().nonzero().squeeze(-1).tolist():
+        q.view(-1)[i] = -math.log1p(-u.view(-1)[i].item())
+    return q
+
+
+def cpu_multinomial() -> None:
+    """Route `torch.multinomial(p, 1)` on fp32 CPU probabilities through `exponential_draws` (once per process; HF
+    generate's sampler calls it once per decoding step, and at [64, 49152] the serial exponential draws were ~60 ms of
+    it, ~1 s of a 16-token rollout). torch draws one sample as argmax(p / q) with q ~ Exp(1) elementwise in p's dtype
+    (the Gumbel-max trick; aten/src/ATen/native/Distributions.cpp, `multinomial_out`): the same division and argmax
+    here, so the same token. Anything else (several samples, other dtypes or devices, an `out`, invalid probabilities,
+    which torch's own checks reject with its own message) goes to torch's function."""
+    original = torch.multinomial
+    if getattr(original, "rlcli_cpu", False):
+        return
+
+    @functools.wraps(original)
+    def multinomial(input: Tensor, num_samples: int, replacement: bool = False, *, generator: torch.Generator | None = None,
+                    out: Tensor | None = None) -> Tensor:
+        if (num_samples == 1 and out is None and input.device.type == "cpu" and input.dtype == torch.float32
+                and input.dim() in (1, 2) and 0 < input.shape[-1] <= 2**24 and input.numel()
+                and bool((input.max() < math.inf) & (input.min() >= 0)) and not bool((input.sum(-1) == 0).any())):
+            return (input / exponential_draws(tuple(input.shape), generator)).argmax(-1, keepdim=True)
+        return original(input, num_samples, replacement, generator=generator, out=out)
+
+    multinomial.rlcli_cpu = True  # type: ignore[attr-defined]
+    torch.multinomial = multinomial
+
+
 def sample_tokens(model: torch.nn.Module, tokenizer: Any, prompt_ids: Tensor, prompt_mask: Tensor, max_new_tokens: int,
                   temperature: float, top_p: float, top_k: int, batch_size: int, with_logprobs: bool,
                   synced_gpus: bool, prefill_once: bool = False) -> tuple[Tensor, Tensor | None]:
@@ -167,6 +216,8 @@ def sample_tokens(model: torch.nn.Module, tokenizer: Any, prompt_ids: Tensor, pr
     from transformers import LogitsProcessorList
 
     device = next(model.parameters()).device
+    if device.type == "cpu":
+        cpu_multinomial()  # the sampler's draws, the same tokens, faster
     pad = tokenizer.pad_token_id
     config = sampling_config(max_new_tokens, temperature, tokenizer.eos_token_id, pad)
     config.update(return_dict_in_generate=True)  # in the config: transformers deprecates arguments beside one
