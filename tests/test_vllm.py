@@ -109,6 +109,33 @@ def test_the_engine_follows_an_optimizer_step(engines):
     assert ((logp - b.rollout_logp) * b.response_mask).abs().max().item() < 1e-4
 
 
+def test_a_groups_rows_read_its_prompt_from_the_prefix_cache(engines, monkeypatch):
+    """rollout.prefill_once on the vLLM engine (CPU build): KV blocks of 32 tokens, so that a group's rows, scheduled
+    in one step, share its prompt's full blocks through vLLM's prefix cache: the first row of each group computes its
+    41 or 40 prompt tokens, the others only the last 9 or 8 (with the build's default 128-token blocks every row
+    computed all of them). Log-probs the trainer's."""
+    from rlcli.rollout.vllm import CPU_PREFIX_BLOCK
+
+    model, _, _, vllm = engines
+    assert vllm.llm.llm_engine.vllm_config.cache_config.block_size == CPU_PREFIX_BLOCK == 32
+    prompts = ["Q: " + " + ".join(str(i) for i in range(1, 10)) + "=?\nA:",  # 41 and 40 tokens
+               "Q: " + " + ".join(str(i) for i in range(20, 27)) + "=?\nA:"]
+    calls, generate = [], vllm.llm.generate
+
+    def recording(requests, params, **kwargs):
+        outs = generate(requests, params, **kwargs)
+        calls.append(([len(q["prompt_token_ids"]) for q in requests], [o.num_cached_tokens for o in outs]))
+        return outs
+
+    monkeypatch.setattr(vllm.llm, "generate", recording)
+    vllm.llm.reset_prefix_cache()
+    b = vllm.generate(prompts, ["0", "0"], 4, Sampling(16, 0.7), with_logprobs=True)
+    assert calls == [([41] * 4 + [40] * 4, [0, 32, 32, 32] * 2)]
+    with torch.no_grad():
+        logp, _ = response_logprobs(model, b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask, 0.7)
+    assert b.response_mask.sum() > 40 and ((logp - b.rollout_logp) * b.response_mask).abs().max().item() < 1e-4
+
+
 def test_grpo_trains_resumes_and_evaluates_with_vllm_like_hf(tmp_path):
     """4 GRPO steps with rollout.engine=vllm: the sampler/trainer gap stays at rounding level at every step,
     so the engine followed every update. Its step-2 checkpoint resumed to step 4 in a new run (a new engine built

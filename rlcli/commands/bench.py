@@ -128,6 +128,8 @@ def train_steps(overrides: list[str], steps: int = STEPS, update_reps: int = 0) 
     out["shared"] = learner.share  # hw.share_prompts in effect: each group's prompt once in scoring and the update
     g, tp, t = out["trajectories"] / out["groups"], out["prompt_length/mean"], out["response_length/mean"]
     out["tokens_per_step"] = out["trajectories"] * (tp + t)
+    out["rollout_tokens_per_step"] = out["groups"] * tp + out["trajectories"] * t if out["prefill_shared"] else out[
+        "tokens_per_step"]  # the positions generation computes: each group's prompt once where the engine shares it
     out["forward_tokens_per_step"] = out["groups"] * (tp + g * t) if learner.share else out["tokens_per_step"]
     out["peak_mem_gb"] = peak_mem_gb()
     return out
@@ -273,16 +275,17 @@ def step_floor(r: dict[str, float], peak: float, bandwidth: float) -> dict[str, 
 def stage_rates(res: dict[str, dict[str, float]], peak: float) -> str:
     """Each stage's achieved GFLOP/s and its share of the matmul peak, per engine; forward tokens per group with and
     without a shared prompt. FLOPs: 2Ψ per token of a forward pass, 6Ψ of a forward and backward (attention's own,
-    small at these lengths, left out): rollout = prefill + decoding of every row (2Ψ x its prompt and response
-    tokens), scoring = 2Ψ x the tokens its forwards run per scoring pass, update = 6Ψ x them (with hw.share_prompts
-    each group's prompt once: P x (prompt + G x response), else N x (prompt + response))."""
+    small at these lengths, left out): rollout = prefill + decoding (2Ψ x each row's prompt and response tokens, each
+    group's prompt once where the engine shares it), scoring = 2Ψ x the tokens its forwards run per scoring pass,
+    update = 6Ψ x them (with hw.share_prompts each group's prompt once: P x (prompt + G x response), else
+    N x (prompt + response))."""
     first = next(iter(res.values()))
     lines = [f"{'matmul peak, ' + first['precision']:<34}{peak:>22.0f} GFLOP/s (2048^3, best of 5, this machine)"]
     for stage, per_token, passes in (("rollout", 2, lambda r: 1), ("score", 2, lambda r: r["score_passes"]),
                                      ("update", 6, lambda r: 1)):
         cells = []
         for r in res.values():
-            tokens = r["tokens_per_step"] if stage == "rollout" else r["forward_tokens_per_step"]
+            tokens = r["rollout_tokens_per_step"] if stage == "rollout" else r["forward_tokens_per_step"]
             flops = per_token * r["params_m"] * 1e6 * tokens * passes(r)
             s = r[f"timing_s/{stage}"]
             cells.append(f"{flops / s / 1e9:.0f} ({100 * flops / s / 1e9 / peak:.0f}%)" if flops and s > 0 else "-")

@@ -73,7 +73,9 @@ class RolloutConfig:
     """hf engine, single-turn rollout: rows whose prompts are equal and next to each other (a group's G responses) share one prefill: the
     KV cache of the prompt but its last token is computed once and copied to each row, which runs the last token as
     its first decoding step. The same sampler up to rounding (the first token's logits come from a cached pass
-    instead of a whole-prompt one); false = a prefill per row."""
+    instead of a whole-prompt one); false = a prefill per row. vllm engine on a CPU: KV blocks of 32 tokens, so that
+    a group's rows share its prompt's full blocks through vLLM's prefix cache (the CPU build's own 128-token blocks
+    leave a prompt under 129 tokens nothing to share); false = the build's default."""
     zero3_generation: str = rng("auto", choices=("auto", "gathered", "per_layer"))
     """hf engine under ZeRO-3 over several ranks: gathered = the whole model gathered once per generate call and
     released before the update (no collective per decoding step); per_layer = each layer's parameters gathered from

