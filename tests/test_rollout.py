@@ -186,10 +186,10 @@ def test_the_cpu_sampler_draws_torchs_own_tokens_from_its_random_stream(monkeypa
 
     hf.cpu_multinomial()
     original = torch.multinomial.__wrapped__
-    for seed, shape in ((0, (64, 4096)), (1, (3, 7)), (2, (50001,))):
+    for seed, shape, chunk in ((0, (64, 4096), 2**18), (1, (3, 7), 2**18), (2, (50001,), 4096), (3, (9, 1000), 1000)):
         g1, g2 = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
         for _ in range(2):
-            assert torch.equal(hf.exponential_draws(shape, g1), torch.empty(shape).exponential_(generator=g2))
+            assert torch.equal(hf.exponential_draws(shape, g1, chunk), torch.empty(shape).exponential_(generator=g2))
         assert torch.equal(g1.get_state(), g2.get_state())
 
     # uniforms whose -log1p(-u) sits at a midpoint between two fp32 numbers: libm's double decides the rounding

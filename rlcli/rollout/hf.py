@@ -161,13 +161,17 @@ def generate(
     return rollout_batch(tokenizer, prompt_ids, prompt_mask, response_ids, rollout_logp, answers, n, group_offset)
 
 
-def exponential_draws(shape: tuple[int, ...], generator: torch.Generator | None = None) -> Tensor:
+def exponential_draws(shape: tuple[int, ...], generator: torch.Generator | None = None, chunk: int = 2**18) -> Tensor:
     """`torch.empty(shape).exponential_(generator=generator)` on a CPU: the same fp32 numbers from the same random
-    stream, the generator left in the same state, about 2x faster. torch's CPU kernel draws each number serially as
+    stream, the generator left in the same state, about 3x faster. torch's CPU kernel draws each number serially as
     -log1p(-u) in double from a uniform double u (53 bits of its Mersenne Twister, in element order) and rounds it to
-    fp32; here the uniforms come from `torch.rand` in double (the same stream, in the same order) and `exponential_of`
-    transforms them on every thread. -> [*shape] fp32"""
-    return exponential_of(torch.rand(shape, dtype=torch.float64, generator=generator))
+    fp32; here the uniforms come from `torch.rand` in double (the same stream, in the same order), `chunk` of them at
+    a time (their double temporaries stay at 2 MiB each, in cache), and `exponential_of` transforms them on every
+    thread. -> [*shape] fp32"""
+    q = torch.empty(shape)
+    for part in q.view(-1).split(chunk):
+        part.copy_(exponential_of(torch.rand(part.numel(), dtype=torch.float64, generator=generator)))
+    return q
 
 
 def exponential_of(u: Tensor) -> Tensor:
