@@ -30,17 +30,20 @@ def test_the_floor_prefills_a_shared_prompt_once_and_vllm_decodes_in_one_call():
 
 
 def test_stage_rates_count_the_positions_each_stage_computes():
-    """Psi = 1e8, 64 rows of 8 groups, prompts of 10 and responses of 5 tokens: generation computes 8 x 10 + 64 x 5 =
-    400 positions with a shared prefill (2 x 1e8 x 400 = 80 GFLOP in 0.5 s: 160 GFLOP/s, 80 % of 200), 960 without
-    (192 GFLOP: 384 GFLOP/s); one scoring pass of 4000 forward tokens in 8 s is 100 GFLOP/s, the update 6Psi x 4000
-    in 12 s 200 GFLOP/s."""
-    from rlcli.commands.bench import stage_rates
+    """Psi = 1e8, 64 rows of 8 groups, prompts of 40 and responses of 5 tokens. Generation computes 64 x 45 = 2880
+    positions with a prefill per row; 8 x 40 + 56 x 1 + 64 x 5 = 696 with HF's shared prefill (each further row runs
+    its prompt's last token); 8 x 40 + 56 x 8 + 320 = 1088 with vLLM's 32-token blocks (40 - 32 = 8 of each further
+    row's prompt); at 128-token blocks nothing is shared, 2880. 2 x 1e8 x 696 = 139.2 GFLOP in 0.696 s: 200 GFLOP/s,
+    100 % of 200; one scoring pass of 4000 forward tokens in 8 s is 100 GFLOP/s, the update 6Psi x 4000 in 12 s 200."""
+    from rlcli.commands.bench import rollout_positions, stage_rates
 
-    r = {**RUN, "trajectories": 64, "groups": 8, "prompt_length/mean": 10, "response_length/mean": 5,
-         "rollout_tokens_per_step": 400, "timing_s/rollout": 0.5, "timing_s/score": 8, "timing_s/update": 12,
-         "shared": True}
-    rows = {line.split()[0]: line.split()[-2:] for line in stage_rates({"hf": r}, 200).splitlines()[1:4]}
-    assert rows == {"rollout": ["160", "(80%)"], "score": ["100", "(50%)"], "update": ["200", "(100%)"]}
+    r = {**RUN, "trajectories": 64, "groups": 8, "prompt_length/mean": 40, "response_length/mean": 5,
+         "prefill_shared": True, "kv_block": 1}
+    assert rollout_positions({**r, "prefill_shared": False}) == 2880 and rollout_positions(r) == 696
+    assert rollout_positions({**r, "kv_block": 32}) == 1088 and rollout_positions({**r, "kv_block": 128}) == 2880
+    timed = {**r, "timing_s/rollout": 0.696, "timing_s/score": 8, "timing_s/update": 12, "shared": True}
+    rows = {line.split()[0]: line.split()[-2:] for line in stage_rates({"hf": timed}, 200).splitlines()[1:4]}
+    assert rows == {"rollout": ["200", "(100%)"], "score": ["100", "(50%)"], "update": ["200", "(100%)"]}
 
 
 def test_repeat_update_runs_the_next_update_again_over_its_batch_and_then_lets_go():

@@ -128,7 +128,7 @@ def test_a_groups_rows_read_its_prompt_from_the_prefix_cache(engines, monkeypatc
         return outs
 
     monkeypatch.setattr(vllm.llm, "generate", recording)
-    vllm.llm.reset_prefix_cache()
+    assert vllm.llm.reset_prefix_cache()
     b = vllm.generate(prompts, ["0", "0"], 4, Sampling(16, 0.7), with_logprobs=True)
     assert calls == [([41] * 4 + [40] * 4, [0, 32, 32, 32] * 2)]
     with torch.no_grad():

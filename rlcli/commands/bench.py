@@ -124,12 +124,14 @@ def train_steps(overrides: list[str], steps: int = STEPS, update_reps: int = 0) 
     out["ranks"] = cfg.hw.nproc * cfg.hw.nnodes
     out["gen_batch_size"] = cfg.rollout.gen_batch_size
     out["engine"] = cfg.rollout.engine
-    out["prefill_shared"] = cfg.rollout.engine == "vllm" or cfg.rollout.prefill_once  # the bench's shapes: one turn
+    # each group's prompt prefilled once (the bench's shapes are single-turn): HF's rollout.prefill_once; vLLM's prefix
+    # cache, in whole KV blocks (the CPU build's 128-token default shares no prompt under 129 tokens)
+    out["prefill_shared"] = cfg.rollout.prefill_once or cfg.rollout.engine == "vllm" and cfg.hw.device == "cuda"
+    llm = getattr(trainer.rollout, "llm", None)  # a vLLM engine's
+    out["kv_block"] = llm.llm_engine.vllm_config.cache_config.block_size if llm is not None else 1
     out["shared"] = learner.share  # hw.share_prompts in effect: each group's prompt once in scoring and the update
     g, tp, t = out["trajectories"] / out["groups"], out["prompt_length/mean"], out["response_length/mean"]
     out["tokens_per_step"] = out["trajectories"] * (tp + t)
-    out["rollout_tokens_per_step"] = out["groups"] * tp + out["trajectories"] * t if out["prefill_shared"] else out[
-        "tokens_per_step"]  # the positions generation computes: each group's prompt once where the engine shares it
     out["forward_tokens_per_step"] = out["groups"] * (tp + g * t) if learner.share else out["tokens_per_step"]
     out["peak_mem_gb"] = peak_mem_gb()
     return out
@@ -272,11 +274,21 @@ def step_floor(r: dict[str, float], peak: float, bandwidth: float) -> dict[str, 
             "update": 6 * psi * forward / (peak * 1e9)}
 
 
+def rollout_positions(r: dict[str, float]) -> float:
+    """The positions generation computes in a step (all ranks): each row's prompt and response; with a shared prefill
+    each group's prompt once, and each further row of the group the part of its prompt not in a whole KV block of
+    `kv_block` tokens (HF's rollout.prefill_once: its last token, `kv_block` 1; vLLM: its last partial block)."""
+    n, p, tp, t = r["trajectories"], r["groups"], r["prompt_length/mean"], r["response_length/mean"]
+    if not r["prefill_shared"]:
+        return n * (tp + t)
+    own = tp - math.floor((tp - 1) / r["kv_block"]) * r["kv_block"]
+    return p * tp + (n - p) * own + n * t
+
+
 def stage_rates(res: dict[str, dict[str, float]], peak: float) -> str:
     """Each stage's achieved GFLOP/s and its share of the matmul peak, per engine; forward tokens per group with and
     without a shared prompt. FLOPs: 2Ψ per token of a forward pass, 6Ψ of a forward and backward (attention's own,
-    small at these lengths, left out): rollout = prefill + decoding (2Ψ x each row's prompt and response tokens, each
-    group's prompt once where the engine shares it), scoring = 2Ψ x the tokens its forwards run per scoring pass,
+    small at these lengths, left out): rollout = prefill + decoding (2Ψ x `rollout_positions`), scoring = 2Ψ x the tokens its forwards run per scoring pass,
     update = 6Ψ x them (with hw.share_prompts each group's prompt once: P x (prompt + G x response), else
     N x (prompt + response))."""
     first = next(iter(res.values()))
@@ -285,7 +297,7 @@ def stage_rates(res: dict[str, dict[str, float]], peak: float) -> str:
                                      ("update", 6, lambda r: 1)):
         cells = []
         for r in res.values():
-            tokens = r["rollout_tokens_per_step"] if stage == "rollout" else r["forward_tokens_per_step"]
+            tokens = rollout_positions(r) if stage == "rollout" else r["forward_tokens_per_step"]
             flops = per_token * r["params_m"] * 1e6 * tokens * passes(r)
             s = r[f"timing_s/{stage}"]
             cells.append(f"{flops / s / 1e9:.0f} ({100 * flops / s / 1e9 / peak:.0f}%)" if flops and s > 0 else "-")

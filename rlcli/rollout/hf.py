@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -165,12 +166,12 @@ def exponential_draws(shape: tuple[int, ...], generator: torch.Generator | None 
     """`torch.empty(shape).exponential_(generator=generator)` on a CPU: the same fp32 numbers from the same random
     stream, the generator left in the same state, about 3x faster. torch's CPU kernel draws each number serially as
     -log1p(-u) in double from a uniform double u (53 bits of its Mersenne Twister, in element order) and rounds it to
-    fp32; here the uniforms come from `torch.rand` in double (the same stream, in the same order), `chunk` of them at
+    fp32 (with torch 2.13's CPU build: its MKL path for exponential_ is compiled out; the tests compare with it); here the uniforms come from `torch.rand` in double (the same stream, in the same order), `chunk` of them at
     a time (their double temporaries stay at 2 MiB each, in cache), and `exponential_of` transforms them on every
     thread. -> [*shape] fp32"""
-    q = torch.empty(shape)
+    q = torch.empty(shape, dtype=torch.float32, device="cpu")
     for part in q.view(-1).split(chunk):
-        part.copy_(exponential_of(torch.rand(part.numel(), dtype=torch.float64, generator=generator)))
+        part.copy_(exponential_of(torch.rand(part.numel(), dtype=torch.float64, device="cpu", generator=generator)))
     return q
 
 
@@ -178,7 +179,7 @@ def exponential_of(u: Tensor) -> Tensor:
     """fp32 -log1p(-u) of uniform doubles u, rounded as libm's log1p in double then a cast (torch's serial exponential
     kernel) rounds it. torch's vectorized log1p may differ from libm's in the last bit of the double; that changes the
     fp32 result only where the double lies within an ulp or so of a midpoint between two fp32 numbers (about one
-    element in 30 draws of [64, 49152]): those elements, found with a margin of 4 ulps, are recomputed with libm's
+    element in 15-30 draws of [64, 49152]): those elements, found with a margin of 4 ulps, are recomputed with libm's
     log1p (Python's math.log1p). -> fp32, u's shape"""
     y = torch.log1p(-u).neg_()  # Exp(1) in double
     q = y.float()
@@ -188,28 +189,44 @@ def exponential_of(u: Tensor) -> Tensor:
     return q
 
 
-def cpu_multinomial() -> None:
-    """Route `torch.multinomial(p, 1)` on fp32 CPU probabilities through `exponential_draws` (once per process; HF
-    generate's sampler calls it once per decoding step, and at [64, 49152] the serial exponential draws were ~60 ms of
-    it, ~1 s of a 16-token rollout). torch draws one sample as argmax(p / q) with q ~ Exp(1) elementwise in p's dtype
-    (the Gumbel-max trick; aten/src/ATen/native/Distributions.cpp, `multinomial_out`): the same division and argmax
-    here, so the same token. Anything else (several samples, other dtypes or devices, an `out`, invalid probabilities,
-    which torch's own checks reject with its own message) goes to torch's function."""
-    original = torch.multinomial
-    if getattr(original, "rlcli_cpu", False):
-        return
+_FAST = threading.Lock()
+_fast_users: list[Any] = []  # torch's own multinomial while a cpu_multinomial block is open, once per open block
 
-    @functools.wraps(original)
-    def multinomial(input: Tensor, num_samples: int, replacement: bool = False, *, generator: torch.Generator | None = None,
-                    out: Tensor | None = None) -> Tensor:
-        if (num_samples == 1 and out is None and input.device.type == "cpu" and input.dtype == torch.float32
-                and input.dim() in (1, 2) and 0 < input.shape[-1] <= 2**24 and input.numel()
-                and bool((input.max() < math.inf) & (input.min() >= 0)) and not bool((input.sum(-1) == 0).any())):
-            return (input / exponential_draws(tuple(input.shape), generator)).argmax(-1, keepdim=True)
-        return original(input, num_samples, replacement, generator=generator, out=out)
 
-    multinomial.rlcli_cpu = True  # type: ignore[attr-defined]
-    torch.multinomial = multinomial
+@contextmanager
+def cpu_multinomial() -> Iterator[None]:
+    """Inside the block, `torch.multinomial(p, 1)` on contiguous fp32 CPU probabilities draws through
+    `exponential_draws` (HF generate's sampler calls it once per decoding step; at [64, 49152] torch's serial draws
+    took 59 of its 62 ms, ~1 s of a 16-token rollout). torch draws one sample as argmax(p / q) with q ~ Exp(1) filled
+    in p's memory order (the Gumbel-max trick; aten/src/ATen/native/Distributions.cpp, `multinomial_out`): the same
+    division and argmax here, so the same token. Anything else (several samples, other dtypes, devices or layouts, an
+    `out`, invalid probabilities, which torch's own checks reject with its own message) goes to torch's function.
+    The patch is process-wide while a block is open (nested and concurrent blocks share it; the last to close puts
+    torch's function back), so scripting, pickling or compiling torch.multinomial elsewhere meanwhile sees a Python
+    function. Two threads sampling at once from the default generator interleave their draws per 2^18 numbers
+    instead of per call; torch orders concurrent calls by chance either way."""
+    with _FAST:
+        original = _fast_users[0] if _fast_users else torch.multinomial
+        _fast_users.append(original)
+        if len(_fast_users) == 1:
+            torch.multinomial = functools.partial(_multinomial, original)
+    try:
+        yield
+    finally:
+        with _FAST:
+            _fast_users.pop()
+            if not _fast_users:
+                torch.multinomial = original
+
+
+def _multinomial(original: Callable[..., Tensor], input: Tensor, num_samples: int, replacement: bool = False, *,
+                 generator: torch.Generator | None = None, out: Tensor | None = None) -> Tensor:
+    if (num_samples == 1 and out is None and input.device.type == "cpu" and input.dtype == torch.float32
+            and input.dim() in (1, 2) and input.is_contiguous() and 0 < input.shape[-1] <= 2**24 and input.numel()
+            and bool((input.max() < math.inf) & (input.min() >= 0)) and not bool((input.sum(-1) == 0).any())):
+        q = exponential_draws(tuple(input.shape), generator)
+        return torch.div(input, q, out=q).argmax(-1, keepdim=True)
+    return original(input, num_samples, replacement, generator=generator, out=out)
 
 
 def sample_tokens(model: torch.nn.Module, tokenizer: Any, prompt_ids: Tensor, prompt_mask: Tensor, max_new_tokens: int,
@@ -220,13 +237,11 @@ def sample_tokens(model: torch.nn.Module, tokenizer: Any, prompt_ids: Tensor, pr
     from transformers import LogitsProcessorList
 
     device = next(model.parameters()).device
-    if device.type == "cpu":
-        cpu_multinomial()  # the sampler's draws, the same tokens, faster
     pad = tokenizer.pad_token_id
     config = sampling_config(max_new_tokens, temperature, tokenizer.eos_token_id, pad)
     config.update(return_dict_in_generate=True)  # in the config: transformers deprecates arguments beside one
     chunks, logp_chunks = [], []
-    with eval_mode(model), own_generation_config(model):
+    with eval_mode(model), own_generation_config(model), cpu_multinomial() if device.type == "cpu" else nullcontext():
         for s in range(0, prompt_ids.shape[0], batch_size):
             ids = prompt_ids[s : s + batch_size].to(device)
             am = prompt_mask[s : s + batch_size].to(device)
