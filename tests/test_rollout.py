@@ -392,3 +392,23 @@ def test_attention_under_cpu_autocast_runs_in_fp32_and_decoding_reads_the_cache_
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), Ops():
         model.generate(input_ids=ids, attention_mask=am, max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert [(dtype, length) for _, dtype, length in seen] == [(torch.bfloat16, n) for n in (7, 7, 1, 1, 1, 1, 1, 1)]
+    # Each wrapper of the sdpa entry installs once, in either order: it carries the marks of those below it
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from rlcli.models.policy import fp32_attention_on_cpu
+
+    top = ALL_ATTENTION_FUNCTIONS["sdpa"]  # fp32's, from the fixture
+    sequence._wrap("sdpa")
+    routed = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    assert routed is not top and routed.__wrapped__ is top
+    fp32_attention_on_cpu.cache_clear()
+    fp32_attention_on_cpu()
+    sequence._wrap("sdpa")
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is routed  # neither wrapped again
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = top.__wrapped__  # transformers' own: Ulysses first, then fp32 over it
+    sequence._wrap("sdpa")
+    fp32_attention_on_cpu.cache_clear()
+    fp32_attention_on_cpu()
+    over = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    sequence._wrap("sdpa")
+    assert over.__wrapped__.__wrapped__ is top.__wrapped__ and ALL_ATTENTION_FUNCTIONS["sdpa"] is over

@@ -288,9 +288,9 @@ def rollout_positions(r: dict[str, float]) -> float:
 def stage_rates(res: dict[str, dict[str, float]], peak: float) -> str:
     """Each stage's achieved GFLOP/s and its share of the matmul peak, per engine; forward tokens per group with and
     without a shared prompt. FLOPs: 2Ψ per token of a forward pass, 6Ψ of a forward and backward (attention's own,
-    small at these lengths, left out): rollout = prefill + decoding (2Ψ x `rollout_positions`), scoring = 2Ψ x the tokens its forwards run per scoring pass,
-    update = 6Ψ x them (with hw.share_prompts each group's prompt once: P x (prompt + G x response), else
-    N x (prompt + response))."""
+    small at these lengths, left out): rollout = prefill + decoding (2Ψ x `rollout_positions`), scoring = 2Ψ x the
+    tokens its forwards run per scoring pass, update = 6Ψ x them (with hw.share_prompts each group's prompt once:
+    P x (prompt + G x response), else N x (prompt + response))."""
     first = next(iter(res.values()))
     lines = [f"{'matmul peak, ' + first['precision']:<34}{peak:>22.0f} GFLOP/s (2048^3, best of 5, this machine)"]
     for stage, per_token, passes in (("rollout", 2, lambda r: 1), ("score", 2, lambda r: r["score_passes"]),

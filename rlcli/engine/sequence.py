@@ -22,6 +22,7 @@ What the learner does with it (docs/sequence_parallel.md):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -151,6 +152,7 @@ def _wrap(attention: str) -> None:
     if getattr(original, "rlcli_sequence_parallel", False):
         return
 
+    @functools.wraps(original)  # carries the marks of the wrappers below it (rlcli.models.policy's fp32 attention)
     def routed(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, mask: Any, *args: Any,
                **kwargs: Any) -> Any:
         if _ACTIVE is None:
@@ -158,7 +160,6 @@ def _wrap(attention: str) -> None:
         return _ACTIVE.ulysses(module, original, query.shape[0])(module, query, key, value, None, *args, **kwargs)
 
     routed.rlcli_sequence_parallel = True  # type: ignore[attr-defined]
-    routed.rlcli_fp32 = getattr(original, "rlcli_fp32", False)  # type: ignore[attr-defined]  # models.policy's wrap
     ALL_ATTENTION_FUNCTIONS[attention] = routed
 
 

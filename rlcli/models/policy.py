@@ -42,8 +42,8 @@ def fp32_attention_on_cpu() -> None:
     kernels are as fast as its bf16 ones or faster up to FP32_ATTENTION_MAX key positions, forward and backward (2
     cores, docs/results.md). A decoding step (one query position) takes decode_attention. The fp32 output goes to
     o_proj, which autocast casts to bf16. Elsewhere (a GPU, no autocast, longer keys, sequence parallelism) `sdpa`
-    runs as it was. Ulysses (rlcli.engine.sequence) wraps it or is wrapped by it: each carries the other's mark, so
-    neither wraps twice."""
+    runs as it was. Ulysses (rlcli.engine.sequence) wraps it or is wrapped by it: each wrapper carries the marks of
+    the ones it wraps (functools.wraps copies them), so neither wraps twice."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from rlcli.core.precision import native_bf16
@@ -53,6 +53,7 @@ def fp32_attention_on_cpu() -> None:
     if getattr(original, "rlcli_fp32", False) or native_bf16("cpu") == "AMX-BF16":
         return
 
+    @functools.wraps(original)  # carries the marks of the wrappers below it (Ulysses')
     def attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, mask: Any, *args: Any,
                   **kwargs: Any) -> Any:
         if (query.device.type != "cpu" or not torch.is_autocast_enabled("cpu") or key.shape[2] > FP32_ATTENTION_MAX
@@ -66,7 +67,6 @@ def fp32_attention_on_cpu() -> None:
             return original(module, query, key, value, mask, *args, **kwargs)
 
     attention.rlcli_fp32 = True  # type: ignore[attr-defined]
-    attention.rlcli_sequence_parallel = getattr(original, "rlcli_sequence_parallel", False)  # type: ignore[attr-defined]
     ALL_ATTENTION_FUNCTIONS["sdpa"] = attention
 
 
@@ -459,7 +459,8 @@ def prompt_sharing_for(model: torch.nn.Module, share: bool) -> tuple[bool, str]:
     one per row, the masked one shared), whose roundings, with the bf16 matmuls around them, differ by up to an ulp
     of the bf16 logits (SmolLM2 with bf16 attention: 0.15 nats at logits of 34, where an ulp is 0.25). Both are then
     measured against the same forward in fp32: the shared one passes when it is within twice the per-row forward's
-    own distance from it (SmolLM2: 0.146 against 0.102), while a block mask that lets segments see each other misses by nats (2.0 on the same check)."""
+    own distance from it (SmolLM2: 0.146 against 0.102), while a block mask that lets segments see each other misses
+    by nats (2.0 on the same check)."""
     attention = attention_of(model)
     if not share:
         return False, "a forward per row (hw.share_prompts=false)"
